@@ -1,0 +1,126 @@
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from nanoserve.engine.sequence import Sequence
+
+
+def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
+    """A block's hash covers its own tokens and, through prefix_hash, every token before it."""
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.array(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # -1: not a full, computed block, so not shareable
+        self.token_ids: list[int] = []
+
+
+class BlockManager:
+    """A fixed pool of KV blocks, shared between sequences by reference counting.
+
+    Prefix caching: a full block is registered under its chained hash once its KV is computed.
+    A later prompt with the same prefix reuses the block instead of recomputing it. A freed block
+    keeps its hash, so it can still be hit until it is handed out for other tokens.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # left end is evicted first
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def _take_free_block(self, block_id: int) -> Block:
+        block = self.blocks[block_id]
+        self.free_block_ids.remove(block_id)
+        block.ref_count = 1
+        return block
+
+    def _allocate_new_block(self) -> int:
+        block = self._take_free_block(self.free_block_ids[0])
+        # The block is about to hold other tokens: its old hash must stop pointing at it.
+        if self.hash_to_block_id.get(block.hash) == block.block_id:
+            del self.hash_to_block_id[block.hash]
+        block.hash, block.token_ids = -1, []
+        return block.block_id
+
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of seq, verified token by token."""
+        hit_ids: list[int] = []
+        if not self.enable_prefix_caching:
+            return hit_ids
+        # Stop one token short of the end: the last token must be computed to get logits for it.
+        prefix_hash = -1
+        for i in range((len(seq) - 1) // self.block_size):
+            token_ids = seq.block(i)
+            prefix_hash = compute_hash(token_ids, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+                break
+            hit_ids.append(block_id)
+        return hit_ids
+
+    def allocate(self, seq: Sequence) -> bool:
+        """Give seq's prompt its blocks, reusing cached ones. All or nothing: False changes no state."""
+        hit_ids = self._cached_prefix(seq)
+        # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
+        num_needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids)
+        if num_needed > self.num_free_blocks:
+            return False
+        for block_id in hit_ids:
+            if self.blocks[block_id].ref_count > 0:
+                self.blocks[block_id].ref_count += 1
+            else:
+                self._take_free_block(block_id)
+        seq.block_table = hit_ids + [self._allocate_new_block() for _ in range(seq.num_blocks - len(hit_ids))]
+        seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
+        self.hash_blocks(seq, len(seq))
+        return True
+
+    def hash_blocks(self, seq: Sequence, num_tokens: int) -> None:
+        """Register every full block within seq's first num_tokens tokens (about to be computed)."""
+        if not self.enable_prefix_caching:
+            return
+        first = seq.num_computed_tokens // self.block_size
+        for i in range(first, num_tokens // self.block_size):
+            block = self.blocks[seq.block_table[i]]
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            block.token_ids = seq.block(i)
+            block.hash = compute_hash(block.token_ids, prefix_hash)
+            self.hash_to_block_id[block.hash] = block.block_id
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Can seq's newest token get a slot? It needs a new block only when its last one is full."""
+        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+
+    def may_append(self, seq: Sequence) -> None:
+        """Reserve a slot for the token this decode step computes (call only after can_append)."""
+        if len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._allocate_new_block())
+        self.hash_blocks(seq, len(seq))
+
+    def deallocate(self, seq: Sequence) -> None:
+        # Free the tail first: the free queue evicts from the left, so shared prefixes live longest.
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_block_ids.append(block_id)
+        seq.block_table = []
+        seq.num_cached_tokens = seq.num_computed_tokens = 0

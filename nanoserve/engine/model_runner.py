@@ -1,0 +1,198 @@
+import importlib.util
+from itertools import accumulate
+
+import torch
+
+from nanoserve.config import Config
+from nanoserve.engine.sequence import Sequence
+from nanoserve.layers.attention import (Attention, AttentionMetadata, flash_paged_attention,
+                                        torch_paged_attention)
+from nanoserve.layers.sampler import Sampler
+from nanoserve.models import build_model
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.loader import load_weights
+
+
+class ModelRunner:
+    """Owns the model and the KV cache; turns a scheduled batch into tensors, runs it, samples."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        torch.manual_seed(config.seed)
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(config.torch_dtype)
+        try:
+            with torch.device(self.device):
+                self.model = build_model(config.hf_config)
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(self.model, config.model)
+        self.model.eval()
+        self.sampler = Sampler()
+        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.use_flash_attn = self.device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        if self.use_flash_attn and config.block_size % 256:
+            raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {config.block_size}")
+        self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
+        if self.num_kvcache_blocks < 1:
+            raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
+                             "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
+        self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self._capture_cudagraphs()
+
+    # ---- KV cache -------------------------------------------------------------------------
+    def _block_bytes(self) -> int:
+        a = self.attn_layers[0]
+        per_token = 2 * len(self.attn_layers) * a.num_kv_heads * a.head_dim * self.config.torch_dtype.itemsize
+        return self.block_size * per_token
+
+    def _allocate_kv_cache(self, num_blocks: int) -> None:
+        """One [2, layers, blocks, block_size, kv_heads, head_dim] tensor; each layer gets views of it.
+
+        It has one block more than the scheduler hands out: padding rows of a CUDA graph write there.
+        """
+        a = self.attn_layers[0]
+        self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
+                                    a.num_kv_heads, a.head_dim, dtype=self.config.torch_dtype, device=self.device)
+        self.scratch_slot = num_blocks * self.block_size
+        impl = flash_paged_attention if self.use_flash_attn else torch_paged_attention
+        for i, layer in enumerate(self.attn_layers):
+            layer.k_cache, layer.v_cache, layer.impl = self.kv_cache[0, i], self.kv_cache[1, i], impl
+
+    def _profile_num_blocks(self) -> int:
+        """Size the pool from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves."""
+        if self.device.type == "cpu":
+            return int(self.config.cpu_kvcache_space * 2**30) // self._block_bytes()
+        # Warm up with the largest prefill the scheduler may send, on a temporary cache sized for it;
+        # counting that cache as activation memory errs on the safe side.
+        cfg = self.config
+        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
+        blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        self._allocate_kv_cache(num_seqs * blocks_per_seq)
+        seqs = [Sequence(-1, [0] * cfg.max_model_len, SamplingParams(temperature=0.0), self.block_size) for _ in range(num_seqs)]
+        for i, seq in enumerate(seqs):
+            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        self.run(seqs)
+        torch.cuda.synchronize()
+        del self.kv_cache
+        for layer in self.attn_layers:
+            layer.k_cache = layer.v_cache = torch.tensor([])
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info()
+        stats = torch.cuda.memory_stats()
+        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+        available = total * cfg.gpu_memory_utilization - (total - free) - activations
+        return int(available) // self._block_bytes() - 1  # minus the scratch block
+
+    # ---- one step ---------------------------------------------------------------------------
+    def prepare_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flatten each sequence's not-yet-computed tokens into one batch, with their cache slots."""
+        input_ids, positions, slot_mapping, q_lens, context_lens = [], [], [], [], []
+        bs = self.block_size
+        for seq in seqs:
+            start, end = seq.num_computed_tokens, len(seq)
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            q_lens.append(end - start)
+            context_lens.append(end)
+            for i in range(start // bs, (end - 1) // bs + 1):  # token p goes to slot block_table[p // bs] * bs + p % bs
+                base = (seq.block_table[i] - i) * bs
+                slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
+        max_num_blocks = max(len(seq.block_table) for seq in seqs)
+        block_tables = [seq.block_table + [-1] * (max_num_blocks - len(seq.block_table)) for seq in seqs]
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            block_tables=self._tensor(block_tables, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(context_lens),
+        )
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
+
+    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        pin = self.device.type == "cuda"  # pinned host memory lets the copy overlap with GPU work
+        return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+
+    def prepare_sample(self, seqs: list[Sequence]) -> dict:
+        vocab_size = self.config.hf_config.vocab_size
+        params = [seq.sampling_params for seq in seqs]
+        return dict(
+            temperatures=self._tensor([p.temperature for p in params], torch.float32),
+            top_ks=self._tensor([vocab_size if p.top_k == -1 else p.top_k for p in params], torch.int64),
+            top_ps=self._tensor([p.top_p for p in params], torch.float32),
+            generators=[seq.generator for seq in seqs],
+        )
+
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Logits of each sequence's last token: the only ones a next token is sampled from."""
+        num_seqs = meta.context_lens.shape[0]
+        if meta.max_seqlen_q == 1 and self.graphs and num_seqs <= max(self.graphs):
+            hidden = self._replay_cudagraph(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)[meta.cu_seqlens_q[1:] - 1]
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> list[int]:
+        input_ids, positions, meta = self.prepare_inputs(seqs)
+        logits = self.run_model(input_ids, positions, meta)
+        return self.sampler(logits, **self.prepare_sample(seqs)).tolist()
+
+    # ---- CUDA graphs ------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _capture_cudagraphs(self) -> None:
+        """Record the decode forward once per batch size; replaying it skips per-kernel launch costs.
+
+        A graph replays fixed buffers, so a batch is copied into the smallest graph that fits it,
+        and the padding rows write their K/V into the scratch slot.
+        """
+        cfg, dev = self.config, self.device
+        max_bs = min(cfg.max_num_seqs, 512)
+        max_num_blocks = -(-cfg.max_model_len // self.block_size)
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            outputs=torch.zeros(max_bs, cfg.hf_config.hidden_size, dtype=cfg.torch_dtype, device=dev),
+        )
+        self.graph_meta = AttentionMetadata(
+            slot_mapping=torch.full((max_bs,), self.scratch_slot, dtype=torch.int64, device=dev),
+            block_tables=torch.zeros(max_bs, max_num_blocks, dtype=torch.int32, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
+            cu_seqlens_k=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),  # unused by decode kernels
+            max_seqlen_q=1, max_seqlen_k=cfg.max_model_len,
+        )
+        pool = None
+        for bs in reversed([1, 2, 4, 8] + list(range(16, max_bs + 1, 16))):
+            v, m = self.graph_vars, self.graph_meta
+            meta = AttentionMetadata(m.slot_mapping[:bs], m.block_tables[:bs], m.context_lens[:bs],
+                                     m.cu_seqlens_q[: bs + 1], m.cu_seqlens_k[: bs + 1], 1, m.max_seqlen_k)
+            v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs], meta)  # warm up
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool):
+                v["outputs"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs], meta)
+            pool = pool or graph.pool()  # all graphs share one memory pool: only one runs at a time
+            self.graphs[bs] = graph
+            torch.cuda.synchronize()
+
+    def _replay_cudagraph(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                          meta: AttentionMetadata) -> torch.Tensor:
+        n = input_ids.shape[0]
+        graph_bs = min(bs for bs in self.graphs if bs >= n)
+        v, m = self.graph_vars, self.graph_meta
+        v["input_ids"][:n], v["positions"][:n] = input_ids, positions
+        m.slot_mapping.fill_(self.scratch_slot)
+        m.slot_mapping[:n] = meta.slot_mapping
+        m.context_lens.zero_()
+        m.context_lens[:n] = meta.context_lens
+        m.block_tables[:n, : meta.block_tables.shape[1]] = meta.block_tables
+        self.graphs[graph_bs].replay()
+        return v["outputs"][:n]
+

@@ -1,0 +1,58 @@
+from enum import Enum, auto
+
+import torch
+
+from nanoserve.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class Sequence:
+    """One request: its tokens, where their KV lives, and how far the model has got."""
+
+    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
+        self.seq_id = seq_id
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.block_table: list[int] = []  # logical block i of this sequence lives in physical block_table[i]
+        self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache: the model resumes from here
+        self.finish_reason: str | None = None
+        seed = sampling_params.seed
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_blocks(self) -> int:
+        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+
+    def block(self, i: int) -> list[int]:
+        return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)

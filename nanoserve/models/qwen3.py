@@ -1,0 +1,138 @@
+"""Qwen3, and through two switches Qwen2 and Llama: the three differ only in their attention.
+
+Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither.
+"""
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.layernorm import RMSNorm
+from nanoserve.layers.linear import MergedLinear
+from nanoserve.layers.rotary_embedding import RotaryEmbedding
+
+
+@dataclass(frozen=True)
+class Variant:
+    qk_norm: bool = False
+    qkv_bias: bool | None = None  # None: read config.attention_bias (which also biases o_proj)
+
+
+ARCHITECTURES = {
+    "Qwen3ForCausalLM": Variant(qk_norm=True),
+    "Qwen2ForCausalLM": Variant(qkv_bias=True),
+    "LlamaForCausalLM": Variant(),
+}
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    """transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported; only 'default' RoPE is")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = getattr(config, "attention_bias", False)
+        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                     bias=bias if variant.qkv_bias is None else variant.qkv_bias)
+        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias and variant.qkv_bias is None)
+        self.rotary_emb = rotary_emb
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.qk_norm = variant.qk_norm
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary_emb(positions, q, k)
+        return self.o_proj(self.attn(q, k, v, meta).flatten(1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = DecoderAttention(config, variant, rotary_emb)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            x, residual = self.input_layernorm(x), x
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, variant: Variant):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
+        self.layers = nn.ModuleList(
+            [DecoderLayer(config, variant, rotary_emb) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # Checkpoint names that are fused here: (fused module, index of the part).
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: PretrainedConfig, variant: Variant = ARCHITECTURES["Qwen3ForCausalLM"]):
+        super().__init__()
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("use_sliding_window=True is not supported")
+        self.model = Model(config, variant)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:  # small models share the input and output embedding
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden_states)
