@@ -123,4 +123,4 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids.append(block_id)
         seq.block_table = []
-        seq.num_cached_tokens = seq.num_computed_tokens = 0
+        seq.num_computed_tokens = 0

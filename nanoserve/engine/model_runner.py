@@ -5,8 +5,12 @@ import torch
 
 from nanoserve.config import Config
 from nanoserve.engine.sequence import Sequence
-from nanoserve.layers.attention import (Attention, AttentionMetadata, flash_paged_attention,
-                                        torch_paged_attention)
+from nanoserve.layers.attention import (
+    Attention,
+    AttentionMetadata,
+    flash_paged_attention,
+    torch_paged_attention,
+)
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models import build_model
 from nanoserve.sampling_params import SamplingParams
@@ -73,7 +77,8 @@ class ModelRunner:
         num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
         blocks_per_seq = -(-cfg.max_model_len // self.block_size)
         self._allocate_kv_cache(num_seqs * blocks_per_seq)
-        seqs = [Sequence(-1, [0] * cfg.max_model_len, SamplingParams(temperature=0.0), self.block_size) for _ in range(num_seqs)]
+        greedy = SamplingParams(temperature=0.0)
+        seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
         for i, seq in enumerate(seqs):
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
         self.run(seqs)
@@ -99,7 +104,8 @@ class ModelRunner:
             positions.extend(range(start, end))
             q_lens.append(end - start)
             context_lens.append(end)
-            for i in range(start // bs, (end - 1) // bs + 1):  # token p goes to slot block_table[p // bs] * bs + p % bs
+            # Token p goes to slot block_table[p // bs] * bs + p % bs: one range per block it touches.
+            for i in range(start // bs, (end - 1) // bs + 1):
                 base = (seq.block_table[i] - i) * bs
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
         max_num_blocks = max(len(seq.block_table) for seq in seqs)

@@ -32,7 +32,7 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Pure-PyTorch paged attention: gather each sequence's blocks, pad, and run SDPA with a mask."""
-    num_seqs, block_size = meta.block_tables.shape[0], k_cache.shape[1]
+    num_seqs = meta.block_tables.shape[0]
     # [num_seqs, max_num_blocks * block_size, kv_heads, head_dim]: every sequence's context, padded.
     k = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
     v = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)

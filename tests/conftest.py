@@ -1,0 +1,48 @@
+"""Tiny random-weight models (fixed seed) saved as Hugging Face folders, and the transformers reference."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+
+COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+CONFIGS = {
+    "qwen3": lambda: Qwen3Config(**COMMON, head_dim=16, tie_word_embeddings=True),
+    "qwen2": lambda: Qwen2Config(**COMMON, tie_word_embeddings=False),
+    "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=100000.0),
+}
+ARCHS = list(CONFIGS)
+
+
+def make_model(path, arch: str, seed: int = 0) -> str:
+    torch.manual_seed(seed)
+    config = CONFIGS[arch]()
+    config.initializer_range = 0.2  # sharper logits than the 0.02 default: fewer near-ties in argmax
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_model(root / arch, arch) for arch in ARCHS}
+
+
+def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """transformers' own greedy generate, one prompt at a time (no padding), float32."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, min_new_tokens=0)
+        outputs.append(out[0, len(prompt):].tolist())
+    return outputs
+
+
+def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(low, high, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
