@@ -90,15 +90,17 @@ class BlockManager:
                 self._take_free_block(block_id)
         seq.block_table = hit_ids + [self._allocate_new_block() for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
-        self.hash_blocks(seq, len(seq))
         return True
 
-    def hash_blocks(self, seq: Sequence, num_tokens: int) -> None:
-        """Register every full block within seq's first num_tokens tokens (about to be computed)."""
+    def hash_blocks(self, seq: Sequence, start: int) -> None:
+        """Register the blocks that became full of computed KV as seq's tokens from `start` were computed.
+
+        Only after the forward: a block registered earlier could be hit while its KV is still unwritten
+        (and stay so for good if that step fails).
+        """
         if not self.enable_prefix_caching:
             return
-        first = seq.num_computed_tokens // self.block_size
-        for i in range(first, num_tokens // self.block_size):
+        for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
             block.token_ids = seq.block(i)
@@ -113,7 +115,6 @@ class BlockManager:
         """Reserve a slot for the token this decode step computes (call only after can_append)."""
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_new_block())
-        self.hash_blocks(seq, len(seq))
 
     def deallocate(self, seq: Sequence) -> None:
         # Free the tail first: the free queue evicts from the left, so shared prefixes live longest.

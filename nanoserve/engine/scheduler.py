@@ -13,7 +13,7 @@ class SchedulerStats:
     num_steps: int = 0
     num_prefill_steps: int = 0
     num_preemptions: int = 0
-    num_prompt_tokens: int = 0  # prompt tokens admitted, cached or not
+    num_prompt_tokens: int = 0  # tokens admitted by prefills, cached or not (a preempted request counts again)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache instead of computed
     num_generated_tokens: int = 0
 
@@ -101,7 +101,8 @@ class Scheduler:
         """Append each sampled token; finish and free the sequences that are done. Returns those."""
         finished = []
         for seq, token_id in zip(seqs, token_ids):
-            seq.num_computed_tokens = len(seq)
+            start, seq.num_computed_tokens = seq.num_computed_tokens, len(seq)
+            self.block_manager.hash_blocks(seq, start)  # their KV is written now: others may reuse it
             seq.append_token(token_id)
             self.stats.num_generated_tokens += 1
             seq.finish_reason = self._finish_reason(seq, token_id)

@@ -1,0 +1,203 @@
+"""The LLM API: bad input is a clear ValueError that leaves the engine usable; outputs, ordering, seeds."""
+import json
+import shutil
+
+import pytest
+
+from conftest import hf_greedy
+from nanoserve import LLM, SamplingParams
+
+EOS = 2
+MAX_TOKENS = 8
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 43))]
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+OPTIONS = dict(block_size=4, num_kvcache_blocks=16, max_model_len=48, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_models):
+    return LLM(tiny_models["qwen3"], **OPTIONS)
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    return hf_greedy(tiny_models["qwen3"], PROMPTS, MAX_TOKENS)
+
+
+def completions(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def assert_idle(llm: LLM) -> None:
+    """No request left queued and every KV block back in the pool."""
+    scheduler, bm = llm.engine.scheduler, llm.engine.block_manager
+    assert not scheduler.waiting and not scheduler.running
+    assert bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks)
+
+
+def assert_usable(llm: LLM, expected) -> None:
+    assert completions(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert_idle(llm)
+
+
+def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
+    """Make the n-th model forward raise, as an out-of-memory or a kernel error would."""
+    run, calls = llm.engine.model_runner.run, []
+
+    def failing_run(seqs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("injected failure")
+        return run(seqs)
+
+    monkeypatch.setattr(llm.engine.model_runner, "run", failing_run)
+
+
+# ---- bad input ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt, params, words", [
+    ([], GREEDY, ["prompt", "at least one token"]),
+    ({"prompt_token_ids": []}, GREEDY, ["prompt", "at least one token"]),
+    (list(range(3, 43)), SamplingParams(max_tokens=9), ["prompt (40 tokens)", "max_tokens (9)", "max_model_len (48)"]),
+])
+def test_bad_prompt_rejects_the_whole_batch(llm, expected, prompt, params, words):
+    num_steps = llm.stats.num_steps
+    with pytest.raises(ValueError) as e:
+        llm.generate([PROMPTS[0], prompt, PROMPTS[1]], params, use_tqdm=False)
+    assert all(w in str(e.value) for w in words), str(e.value)
+    assert llm.stats.num_steps == num_steps  # not even the good prompts ran
+    assert_idle(llm)
+    assert_usable(llm, expected)
+
+
+def test_request_that_can_never_fit_the_kv_pool(tiny_models):
+    llm = LLM(tiny_models["qwen3"], **{**OPTIONS, "num_kvcache_blocks": 4})  # 16 tokens
+    with pytest.raises(ValueError) as e:  # 10 + 8 tokens need 5 blocks
+        llm.generate([[5, 6, 7], list(range(10, 20)), [8, 9]], GREEDY, use_tqdm=False)
+    assert "needs 5 KV blocks" in str(e.value) and "num_kvcache_blocks is 4" in str(e.value)
+    assert llm.stats.num_steps == 0
+    assert_idle(llm)
+    outputs = llm.generate([[5, 6, 7], [8, 9]], GREEDY, use_tqdm=False)
+    assert all(o.outputs[0].finish_reason in ("length", "stop") for o in outputs)
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(max_tokens=0), ["max_tokens", ">= 1", "got 0"]),
+    (dict(temperature=-0.5), ["temperature", ">= 0", "got -0.5"]),
+    (dict(top_p=0), ["top_p", "(0, 1]", "got 0"]),
+    (dict(top_p=1.5), ["top_p", "(0, 1]", "got 1.5"]),
+    (dict(top_k=0), ["top_k", ">= 1", "got 0"]),
+    (dict(top_k=-2), ["top_k", ">= 1", "got -2"]),
+])
+def test_bad_sampling_params(kwargs, words):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        LLM(str(tmp_path))
+
+
+def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
+    path = shutil.copytree(tiny_models["qwen3"], tmp_path / "model")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as e:
+        LLM(str(path))
+    msg = str(e.value)
+    assert "GPT2LMHeadModel" in msg
+    assert all(a in msg for a in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")), msg
+
+
+def test_unknown_option_lists_the_options(tiny_models):
+    with pytest.raises(ValueError) as e:
+        LLM(tiny_models["qwen3"], max_num_seq=4)
+    assert "unknown option(s) ['max_num_seq']" in str(e.value) and "'max_num_seqs'" in str(e.value)
+
+
+def test_text_prompt_without_tokenizer(llm, expected):
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    assert_usable(llm, expected)
+
+
+# ---- outputs --------------------------------------------------------------------------------
+
+def test_outputs_in_input_order_with_per_request_params(llm, expected):
+    stop = expected[1][2]  # the 3rd greedy token of prompt 1
+    params = [SamplingParams(temperature=0, max_tokens=3), SamplingParams(temperature=0, stop_token_ids=[stop]),
+              SamplingParams(temperature=0, max_tokens=5)]
+    prompts = [PROMPTS[0], {"prompt_token_ids": PROMPTS[1]}, PROMPTS[2]]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt_token_ids for o in outputs] == PROMPTS
+    assert [int(o.request_id) for o in outputs] == sorted(int(o.request_id) for o in outputs)
+    assert completions(outputs) == [expected[0][:3], expected[1][: expected[1].index(stop) + 1], expected[2][:5]]
+    assert expected[0][-1] == EOS and len(expected[0]) < 3  # the tiny model stops prompt 0 early
+    assert [o.outputs[0].finish_reason for o in outputs] == ["stop", "stop", "length"]
+    assert_idle(llm)
+
+
+def test_a_list_of_ints_is_one_prompt(llm, expected):
+    outputs = llm.generate(PROMPTS[2], GREEDY, use_tqdm=False)
+    assert completions(outputs) == [expected[2]]
+
+
+def test_seeded_sampling_is_reproducible(llm):
+    def sample(seed):
+        params = SamplingParams(temperature=1.0, seed=seed, max_tokens=20, ignore_eos=True)
+        return completions(llm.generate([PROMPTS[0]], params, use_tqdm=False))[0]
+
+    first = sample(1)
+    assert len(first) == 20
+    assert sample(1) == first
+    assert sample(2) != first
+
+
+def test_top_k_1_is_greedy(llm, expected):
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS), use_tqdm=False)
+    assert completions(outputs) == expected
+
+
+# ---- failures -------------------------------------------------------------------------------
+
+def test_failure_mid_generate_frees_every_block(tiny_models, expected, monkeypatch):
+    llm = LLM(tiny_models["qwen3"], **OPTIONS)
+    fail_on_call(llm, monkeypatch, 3)  # a decode step
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_idle(llm)
+    monkeypatch.undo()
+    assert_usable(llm, expected)
+
+
+def test_failed_prefill_leaves_no_uncomputed_block_in_the_prefix_cache(tiny_models, expected, monkeypatch):
+    """ENGINE BUG: the prompt's blocks are registered in the prefix cache when allocated, before the
+    forward pass computes their KV. If that forward fails, the blocks are freed but stay registered,
+    and the next request with the same prompt reuses KV that was never written."""
+    llm = LLM(tiny_models["qwen3"], **OPTIONS)
+    fail_on_call(llm, monkeypatch, 1)  # the prefill
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert_idle(llm)
+    monkeypatch.undo()
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert completions(outputs) == expected
+    assert [o.num_cached_tokens for o in outputs] == [0, 0, 0]  # nothing was ever computed
+
+
+def test_failed_decode_leaves_no_uncomputed_block_in_the_prefix_cache(tiny_models, expected, monkeypatch):
+    """ENGINE BUG, decode side: may_append registers the block the step's token fills before the
+    forward pass writes that token's KV; a failed step leaves the block registered without it."""
+    llm = LLM(tiny_models["qwen3"], **OPTIONS)
+    fail_on_call(llm, monkeypatch, 2)  # the decode that computes token 7, filling block 1
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)
+    monkeypatch.undo()
+    prompt = PROMPTS[0] + [expected[0][0], 99]  # its 8 tokens so far, then something new
+    outputs = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert completions(outputs) == hf_greedy(tiny_models["qwen3"], [prompt], MAX_TOKENS)
+    assert outputs[0].num_cached_tokens == 4  # block 0 was computed; block 1 lacks token 7's KV
