@@ -18,6 +18,10 @@ class Config:
     gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory the engine may fill
     cpu_kvcache_space: float = 2.0  # CPU: GiB of RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE)
     enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = False  # vLLM V1: a token budget per step; long prompts are cut into chunks
+    scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` values are served first (V0)
+    preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
+    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     enforce_eager: bool = False  # True disables CUDA graphs
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
@@ -33,13 +37,20 @@ class Config:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
+        for name, choices in (("scheduling_policy", ("fcfs", "priority")), ("preemption_mode", ("recompute", "swap"))):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.swap_space < 0:
+            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
+        if self.preemption_mode == "swap" and self.swap_space == 0:
+            raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
-        if self.max_num_batched_tokens < self.max_model_len:
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len})"
+                f"max_model_len ({self.max_model_len}), or set enable_chunked_prefill=True"
             )
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

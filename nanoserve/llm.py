@@ -45,17 +45,22 @@ class LLM:
         return list(prompt)
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
+        """priority (scheduling_policy="priority"): one per prompt; lower values are served first."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
+        priority = [0] * len(prompts) if priority is None else list(priority)
+        if len(priority) != len(prompts):
+            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
         token_ids = [self._token_ids(p) for p in prompts]
-        for ids, params in zip(token_ids, sampling_params):  # all checked before any request is queued
-            self.engine.check_request(ids, params)
-        seqs = [self.engine.add_request(ids, params) for ids, params in zip(token_ids, sampling_params)]
+        requests = list(zip(token_ids, sampling_params, priority))
+        for request in requests:  # all checked before any request is queued
+            self.engine.check_request(*request)
+        seqs = [self.engine.add_request(*request) for request in requests]
         try:
             self._run(seqs, use_tqdm)
         except BaseException:

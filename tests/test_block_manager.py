@@ -137,13 +137,14 @@ def test_same_prefix_twice_in_one_prefill_batch(tiny_models):
     a, b, c = seq(0, range(10)), seq(1, [*range(8), 7, 7]), seq(2, [*range(8), 9])
     scheduler.add(a)
     scheduler.add(b)
-    batch, is_prefill = scheduler.schedule()
-    assert is_prefill and batch == [a, b]
+    out = scheduler.schedule()
+    assert out.is_prefill and out.seqs == [a, b]
     assert (a.block_table, b.block_table) == ([0, 1, 2], [3, 4, 5])
     assert (a.num_cached_tokens, b.num_cached_tokens) == (0, 0)
-    scheduler.postprocess(batch, [100, 101])
+    scheduler.postprocess(out, [100, 101])
     scheduler.add(c)
-    assert scheduler.schedule() == ([c], True)
+    out = scheduler.schedule()
+    assert (out.seqs, out.is_prefill) == ([c], True)
     assert c.block_table[:2] in ([0, 1], [3, 4]) and c.num_cached_tokens == 2 * BS
     assert refs(bm)[:6] == ([2, 2, 1, 1, 1, 1] if c.block_table[0] == 0 else [1, 1, 1, 2, 2, 1])
     assert scheduler.stats.num_cached_tokens == 2 * BS

@@ -73,7 +73,8 @@ def run_case(model: str, seed: int, prefix_caching: bool) -> None:
             if not requests:
                 break
             continue
-        seqs, is_prefill = scheduler.schedule()
+        out = scheduler.schedule()
+        seqs, is_prefill = out.seqs, out.is_prefill
         assert len(seqs) <= config.max_num_seqs
         assert all(len(seq.block_table) == seq.num_blocks for seq in seqs)
         assert all(seq.num_computed_tokens < len(seq) for seq in seqs)  # the last token's logits are needed
@@ -82,7 +83,7 @@ def run_case(model: str, seed: int, prefix_caching: bool) -> None:
         else:
             assert all(seq.num_computed_tokens == len(seq) - 1 for seq in seqs)
         write_and_check_kv(kv, seqs, block_size)
-        scheduler.postprocess(seqs, [rng.choice([EOS, 3, 4, 5, 6, 7]) for _ in seqs])
+        scheduler.postprocess(out, [rng.choice([EOS, 3, 4, 5, 6, 7]) for _ in seqs])
         check_books(scheduler)
     else:
         pytest.fail(f"seed {seed}: requests still unfinished after 10000 steps")

@@ -30,9 +30,9 @@ def add(scheduler: Scheduler, seq_id: int, num_tokens: int, **params) -> Sequenc
 
 def step(scheduler: Scheduler, token_id: int = TOKEN) -> tuple[list[int], bool]:
     """One engine step with every scheduled sequence sampling token_id. Returns (batch ids, is_prefill)."""
-    seqs, is_prefill = scheduler.schedule()
-    scheduler.postprocess(seqs, [token_id] * len(seqs))
-    return ids(seqs), is_prefill
+    out = scheduler.schedule()
+    scheduler.postprocess(out, [token_id] * len(out.seqs))
+    return ids(out.seqs), out.is_prefill
 
 
 def ids(seqs) -> list[int]:

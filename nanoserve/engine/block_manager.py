@@ -76,12 +76,18 @@ class BlockManager:
             hit_ids.append(block_id)
         return hit_ids
 
+    def _num_blocks_needed(self, seq: Sequence, hit_ids: list[int]) -> int:
+        # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
+        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids)
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        """Would allocate(seq) succeed now? (Priority scheduling asks before evicting anyone for seq.)"""
+        return self._num_blocks_needed(seq, self._cached_prefix(seq)) <= self.num_free_blocks
+
     def allocate(self, seq: Sequence) -> bool:
         """Give seq's prompt its blocks, reusing cached ones. All or nothing: False changes no state."""
         hit_ids = self._cached_prefix(seq)
-        # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
-        num_needed = seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids)
-        if num_needed > self.num_free_blocks:
+        if self._num_blocks_needed(seq, hit_ids) > self.num_free_blocks:
             return False
         for block_id in hit_ids:
             if self.blocks[block_id].ref_count > 0:
@@ -103,6 +109,8 @@ class BlockManager:
         for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
             block = self.blocks[seq.block_table[i]]
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            if i > 0 and prefix_hash == -1:
+                return  # the blocks before came back from a swap without their hashes: this one can't be named
             block.token_ids = seq.block(i)
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
@@ -116,12 +124,36 @@ class BlockManager:
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_new_block())
 
-    def deallocate(self, seq: Sequence) -> None:
+    def _free(self, block_ids: list[int]) -> None:
         # Free the tail first: the free queue evicts from the left, so shared prefixes live longest.
-        for block_id in reversed(seq.block_table):
+        for block_id in reversed(block_ids):
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids.append(block_id)
+
+    def deallocate(self, seq: Sequence) -> None:
+        self._free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
+
+    # ---- swapping (preemption_mode="swap"): `host` is a second pool, of blocks in host memory ------
+    def swap_out(self, seq: Sequence, host: "BlockManager") -> list[tuple[int, int]]:
+        """Move seq's blocks to the host pool (which must have room); returns the (device, host) block
+        pairs whose KV the model runner copies. seq keeps its tokens and num_computed_tokens."""
+        mapping = [(block_id, host._allocate_new_block()) for block_id in seq.block_table]
+        self._free(seq.block_table)
+        seq.block_table = [host_id for _, host_id in mapping]
+        return mapping
+
+    def can_swap_in(self, seq: Sequence) -> bool:
+        """Room for seq's swapped-out blocks, plus a new block if its newest token needs one?"""
+        return seq.num_blocks <= self.num_free_blocks
+
+    def swap_in(self, seq: Sequence, host: "BlockManager") -> list[tuple[int, int]]:
+        """Move seq's blocks back into fresh device blocks (call after can_swap_in); returns the
+        (host, device) block pairs to copy. The copies are not in the prefix cache."""
+        mapping = [(host_id, self._allocate_new_block()) for host_id in seq.block_table]
+        host._free(seq.block_table)
+        seq.block_table = [block_id for _, block_id in mapping]
+        return mapping

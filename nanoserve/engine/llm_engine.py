@@ -16,13 +16,18 @@ class LLMEngine:
         self.model_runner = ModelRunner(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager)
+        swap_pool = None
+        if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
+            swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
+        self.scheduler = Scheduler(config, self.block_manager, swap_pool)
         self.seq_ids = count()
 
-    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Reject what could never run, before any work starts, instead of failing or looping later."""
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: got {priority}, but it needs scheduling_policy='priority'")
         max_len = self.config.max_model_len
         if len(token_ids) + params.max_tokens > max_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
@@ -32,20 +37,17 @@ class LLMEngine:
             raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "
                              f"{self.block_manager.num_blocks} (block_size {self.config.block_size})")
 
-    def add_request(self, token_ids: list[int], params: SamplingParams) -> Sequence:
-        self.check_request(token_ids, params)
-        seq = Sequence(next(self.seq_ids), token_ids, params, self.config.block_size)
+    def add_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> Sequence:
+        self.check_request(token_ids, params, priority)
+        seq = Sequence(next(self.seq_ids), token_ids, params, self.config.block_size, priority)
         self.scheduler.add(seq)
         return seq
 
     def step(self) -> tuple[list[Sequence], int, bool]:
         """One forward pass. Returns (sequences that finished, tokens computed, was it a prefill)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        if not seqs:  # everyone was preempted this step; they prefill again next step
-            return [], 0, is_prefill
-        num_tokens = sum(len(seq) - seq.num_computed_tokens for seq in seqs)
-        token_ids = self.model_runner.run(seqs)
-        return self.scheduler.postprocess(seqs, token_ids), num_tokens, is_prefill
+        out = self.scheduler.schedule()
+        token_ids = self.model_runner.run(out)  # also when nobody runs: swapped-out blocks must be copied
+        return self.scheduler.postprocess(out, token_ids), sum(out.num_scheduled_tokens), out.is_prefill
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:

@@ -4,6 +4,7 @@ from itertools import accumulate
 import torch
 
 from nanoserve.config import Config
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import (
     Attention,
@@ -44,6 +45,9 @@ class ModelRunner:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
         self._allocate_kv_cache(self.num_kvcache_blocks)
+        self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])
+        if config.preemption_mode == "swap":
+            self._allocate_host_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             self._capture_cudagraphs()
@@ -67,6 +71,24 @@ class ModelRunner:
         for i, layer in enumerate(self.attn_layers):
             layer.k_cache, layer.v_cache, layer.impl = self.kv_cache[0, i], self.kv_cache[1, i], impl
 
+    def _allocate_host_cache(self) -> None:
+        """The swap pool: swap_space GiB of host memory shaped like kv_cache, pinned on CUDA for fast copies."""
+        self.num_host_blocks = int(self.config.swap_space * 2**30) // self._block_bytes()
+        if self.num_host_blocks < 1:
+            raise ValueError(f"swap_space ({self.config.swap_space} GiB) is too small for one KV block "
+                             f"({self._block_bytes()} bytes)")
+        shape = (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:])
+        self.host_kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
+
+    def swap_blocks(self, out: SchedulerOutput) -> None:
+        """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the
+        host pool, returning requests' KV back in."""
+        for mapping, src, dst in ((out.blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
+                                  (out.blocks_to_swap_in, self.host_kv_cache, self.kv_cache)):
+            if mapping:
+                src_ids, dst_ids = zip(*mapping)
+                dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
+
     def _profile_num_blocks(self) -> int:
         """Size the pool from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves."""
         if self.device.type == "cpu":
@@ -79,9 +101,12 @@ class ModelRunner:
         self._allocate_kv_cache(num_seqs * blocks_per_seq)
         greedy = SamplingParams(temperature=0.0)
         seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
+        # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
+        num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
         for i, seq in enumerate(seqs):
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-        self.run(seqs)
+            seq.num_computed_tokens = cfg.max_model_len - num_tokens
+        self.run(SchedulerOutput(seqs, [num_tokens] * num_seqs))
         torch.cuda.synchronize()
         del self.kv_cache
         for layer in self.attn_layers:
@@ -94,12 +119,15 @@ class ModelRunner:
         return int(available) // self._block_bytes() - 1  # minus the scratch block
 
     # ---- one step ---------------------------------------------------------------------------
-    def prepare_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flatten each sequence's not-yet-computed tokens into one batch, with their cache slots."""
-        input_ids, positions, slot_mapping, q_lens, context_lens = [], [], [], [], []
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                            torch.Tensor]:
+        """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
+        the rows whose logits are needed: the last one of each sequence that samples."""
+        input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows = [], [], [], [], [], []
         bs = self.block_size
-        for seq in seqs:
-            start, end = seq.num_computed_tokens, len(seq)
+        seqs = out.seqs
+        for seq, num_tokens, do_sample in zip(seqs, out.num_scheduled_tokens, out.do_sample):
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             input_ids.extend(seq.token_ids[start:end])
             positions.extend(range(start, end))
             q_lens.append(end - start)
@@ -108,6 +136,8 @@ class ModelRunner:
             for i in range(start // bs, (end - 1) // bs + 1):
                 base = (seq.block_table[i] - i) * bs
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
+            if do_sample:
+                logits_rows.append(len(input_ids) - 1)
         max_num_blocks = max(len(seq.block_table) for seq in seqs)
         block_tables = [seq.block_table + [-1] * (max_num_blocks - len(seq.block_table)) for seq in seqs]
         meta = AttentionMetadata(
@@ -119,7 +149,8 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(context_lens),
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta
+        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                self._tensor(logits_rows, torch.int64))
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned host memory lets the copy overlap with GPU work
@@ -136,20 +167,26 @@ class ModelRunner:
         )
 
     @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Logits of each sequence's last token: the only ones a next token is sampled from."""
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  logits_rows: torch.Tensor) -> torch.Tensor:
+        """Logits of the rows a next token is sampled from (a sequence's last token, if it samples)."""
         num_seqs = meta.context_lens.shape[0]
         if meta.max_seqlen_q == 1 and self.graphs and num_seqs <= max(self.graphs):
             hidden = self._replay_cudagraph(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)[meta.cu_seqlens_q[1:] - 1]
-        return self.model.compute_logits(hidden)
+            hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden[logits_rows])
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> list[int]:
-        input_ids, positions, meta = self.prepare_inputs(seqs)
-        logits = self.run_model(input_ids, positions, meta)
-        return self.sampler(logits, **self.prepare_sample(seqs)).tolist()
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """Copy swapped blocks, then run the batch; returns a token for each sequence that samples."""
+        self.swap_blocks(out)
+        if not out.seqs:  # everyone was preempted this step
+            return []
+        input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
+        logits = self.run_model(input_ids, positions, meta, logits_rows)
+        sampling = [seq for seq, do_sample in zip(out.seqs, out.do_sample) if do_sample]
+        return self.sampler(logits, **self.prepare_sample(sampling)).tolist()
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -1,5 +1,6 @@
+import bisect
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
@@ -8,45 +9,116 @@ from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class SchedulerStats:
-    """Counters a student can watch: `llm.stats`."""
+    """Counters a student can watch: `llm.stats` (docs/scheduling.md shows them at work)."""
 
     num_steps: int = 0
-    num_prefill_steps: int = 0
-    num_preemptions: int = 0
+    num_prefill_steps: int = 0  # steps that compute prompt tokens, alone or (chunked prefill) mixed with decodes
+    num_preemptions: int = 0  # recomputed or swapped out
     num_prompt_tokens: int = 0  # tokens admitted by prefills, cached or not (a preempted request counts again)
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache instead of computed
     num_generated_tokens: int = 0
+    num_chunked_prefills: int = 0  # prompt chunks that stopped short of the prompt's end (so sampled nothing)
+    num_mixed_steps: int = 0  # steps whose batch mixed prefill work with decodes (chunked prefill)
+    num_priority_preemptions: int = 0  # running requests evicted for a more urgent waiting one (priority policy)
+    num_swapped_out: int = 0  # preemptions that moved the KV to host memory (the others recompute)
+    num_swapped_in: int = 0  # swapped-out requests whose KV was copied back
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
+
+    seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens on; it samples a next
+    token only if that reaches its end (do_sample). The swap copies run before the forward. A step never has both
+    kinds (swap-ins wait for a step that preempted nobody), so the order of the copies does not matter.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+
+    @property
+    def do_sample(self) -> list[bool]:
+        """Per sequence: does this step reach its end, so that a next token is sampled? (Before postprocess.)"""
+        return [seq.num_computed_tokens + n == len(seq) for seq, n in zip(self.seqs, self.num_scheduled_tokens)]
+
+
+def priority_key(seq: Sequence) -> tuple[int, int]:
+    """Lower priority value first; ties by arrival (seq ids count up in arrival order)."""
+    return seq.priority, seq.seq_id
 
 
 class Scheduler:
-    """nano-vllm's policy: prefill whenever a waiting sequence fits, else decode everything running."""
+    """Picks each step's batch. The default is nano-vllm's policy: prefill whenever waiting prompts fit,
+    else decode everything running, preempting the newest request when blocks run out. Three switches
+    from vLLM change it: enable_chunked_prefill, scheduling_policy="priority", preemption_mode="swap"."""
 
-    def __init__(self, config: Config, block_manager: BlockManager):
+    def __init__(self, config: Config, block_manager: BlockManager, host_block_manager: BlockManager | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.scheduling_policy = config.scheduling_policy
         self.eos_token_ids = set(config.eos_token_ids)
         self.block_manager = block_manager
+        self.host_block_manager = host_block_manager  # the swap pool, in host memory (preemption_mode="swap")
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
+        self.swapped: deque[Sequence] = deque()
         self.stats = SchedulerStats()
 
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self._enqueue(self.waiting, seq)
 
     def is_finished(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.running and not self.swapped
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """Pick the next batch. Returns (sequences, is_prefill)."""
+    def schedule(self) -> SchedulerOutput:
+        """Plan the next step."""
         self.stats.num_steps += 1
-        scheduled = self._schedule_prefill()
-        if scheduled:
-            self.stats.num_prefill_steps += 1
-            return scheduled, True
-        return self._schedule_decode(), False
+        out = SchedulerOutput()
+        if self.scheduling_policy == "priority":
+            self._preempt_for_priority(out)
+        if self.enable_chunked_prefill:
+            self._schedule_token_budget(out)
+        else:
+            self._schedule_default(out)
+        self.stats.num_prefill_steps += out.is_prefill
+        return out
 
-    def _schedule_prefill(self) -> list[Sequence]:
-        scheduled: list[Sequence] = []
+    def _admit(self, seq: Sequence) -> None:
+        """The waiting head got its blocks: it runs from now on."""
+        self.waiting.popleft()
+        seq.status = SequenceStatus.RUNNING
+        self._enqueue(self.running, seq)
+        self.stats.num_prompt_tokens += len(seq)
+        self.stats.num_cached_tokens += seq.num_cached_tokens
+
+    def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+        """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
+        num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+        self.block_manager.may_append(seq)  # a new block for its newest token, if that needs one
+        out.add(seq, num_tokens)
+        return num_tokens
+
+    # ---- nano-vllm (the default): a step prefills whole prompts, or else decodes ---------------------
+    def _schedule_default(self, out: SchedulerOutput) -> None:
+        if not self.swapped:  # swapped-out requests come back before any new prompt is admitted (vLLM V0)
+            self._schedule_prefill(out)
+        if out.seqs:
+            out.is_prefill = True
+            return
+        self._schedule_decode(out)
+        if not out.preempted:  # a step that had to preempt has no room to bring anyone back
+            self._schedule_swapped(out, self.max_num_batched_tokens - len(out.seqs))
+
+    def _schedule_prefill(self, out: SchedulerOutput) -> None:
         num_batched_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -55,39 +127,118 @@ class Scheduler:
             if not self.block_manager.allocate(seq):
                 break
             num_batched_tokens += len(seq) - seq.num_cached_tokens
-            self.stats.num_prompt_tokens += len(seq)
-            self.stats.num_cached_tokens += seq.num_cached_tokens
-            seq.status = SequenceStatus.RUNNING
-            self.waiting.popleft()
-            self.running.append(seq)
-            scheduled.append(seq)
-        return scheduled
+            self._admit(seq)
+            out.add(seq, len(seq) - seq.num_computed_tokens)
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def _schedule_decode(self, out: SchedulerOutput) -> None:
         scheduled: list[Sequence] = []
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                # LIFO: the newest request gives up its KV first, so the oldest ones finish.
+                # The tail gives up its KV first: the newest request (LIFO), so the oldest ones finish;
+                # under the priority policy the least urgent one.
                 if self.running:
-                    self.preempt(self.running.pop())
+                    self.preempt(self.running.pop(), out)
                 else:
-                    self.preempt(seq)  # nobody else to take from: seq waits for memory itself
+                    self.preempt(seq, out)  # nobody else to take from: seq waits for memory itself
                     break
             else:
                 self.block_manager.may_append(seq)
                 scheduled.append(seq)
+                out.add(seq, 1)
         # Keep the order for the next step: scheduled ones first, then those over max_num_seqs.
         self.running.extendleft(reversed(scheduled))
-        return scheduled
 
-    def preempt(self, seq: Sequence) -> None:
-        """Recompute preemption: drop seq's KV and queue it first; its prefill will redo all tokens."""
+    # ---- vLLM V1 (enable_chunked_prefill=True): a token budget per step, chunked prefill -------------
+    def _schedule_token_budget(self, out: SchedulerOutput) -> None:
+        """A step computes at most max_num_batched_tokens tokens. Running requests go first (a decode needs
+        1, an unfinished prompt the rest of it), then waiting ones in order; each takes min(tokens it has
+        left, budget left), so a long prompt is cut into chunks and one step mixes chunks and decodes."""
+        budget = self.max_num_batched_tokens
+        short_of_blocks = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            # Only a decode can need a new block: a prompt got all of its blocks when it was admitted.
+            while not self.block_manager.can_append(seq):
+                short_of_blocks = True
+                victim = self.running.pop()  # from the tail, as in _schedule_decode
+                self.preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                budget -= self._schedule_chunk(seq, budget, out)
+                i += 1
+        if short_of_blocks:
+            pass  # nobody comes back or in during a step that had to preempt (vLLM V1)
+        elif self.swapped:  # swapped-out requests come back before any new prompt is admitted
+            self._schedule_swapped(out, budget)
+        else:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                seq = self.waiting[0]
+                if not self.block_manager.allocate(seq):
+                    break
+                self._admit(seq)
+                budget -= self._schedule_chunk(seq, budget, out)
+        # A decode computes just the newest token, one the model generated; anything else is prefill work.
+        decodes = [seq.num_computed_tokens == len(seq) - 1 and seq.num_completion_tokens > 0 for seq in out.seqs]
+        out.is_prefill = not all(decodes)
+        self.stats.num_mixed_steps += out.is_prefill and any(decodes)
+
+    # ---- vLLM V0 priority scheduling (scheduling_policy="priority") -----------------------------------
+    def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool = False) -> None:
+        """FCFS: join at the back (a preempted request at the front). Priority: every queue stays sorted by
+        (priority, arrival), so its head is the most urgent request and the tail of running the first victim."""
+        if self.scheduling_policy == "priority":
+            bisect.insort(queue, seq, key=priority_key)
+        elif front:
+            queue.appendleft(seq)
+        else:
+            queue.append(seq)
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """While the most urgent waiting request cannot get its blocks, running requests of lower priority
+        give theirs up, least urgent first. They recompute rather than swap: swapped requests come back
+        before new ones are admitted, so a swapped victim would take its blocks straight back."""
+        if not self.waiting or self.swapped:
+            return
+        seq = self.waiting[0]
+        while (self.running and priority_key(self.running[-1]) > priority_key(seq)
+               and not self.block_manager.can_allocate(seq)):
+            self.preempt(self.running.pop(), out, swap=False)
+            self.stats.num_priority_preemptions += 1
+
+    # ---- preemption: recompute (the default) or swap (preemption_mode="swap", vLLM V0) ----------------
+    def preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
+        """Take seq's KV blocks back. Swap mode copies its KV to the host pool, to come back later; recompute
+        (also the fallback when the host pool is full) drops it: seq waits and prefills all its tokens again."""
         self.stats.num_preemptions += 1
-        seq.status = SequenceStatus.WAITING
-        self.block_manager.deallocate(seq)
-        self.waiting.appendleft(seq)
+        out.preempted.append(seq)
+        host = self.host_block_manager
+        if swap and host is not None and host.num_free_blocks >= len(seq.block_table):
+            out.blocks_to_swap_out += self.block_manager.swap_out(seq, host)
+            seq.status = SequenceStatus.SWAPPED
+            self._enqueue(self.swapped, seq, front=True)
+            self.stats.num_swapped_out += 1
+        else:
+            seq.status = SequenceStatus.WAITING
+            self.block_manager.deallocate(seq)
+            self._enqueue(self.waiting, seq, front=True)
 
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> None:
+        """Swap requests back in, first in line first, while their blocks fit; they go on where they stopped."""
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.swapped[0]
+            if not self.block_manager.can_swap_in(seq):
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += self.block_manager.swap_in(seq, self.host_block_manager)
+            seq.status = SequenceStatus.RUNNING
+            self._enqueue(self.running, seq)
+            self.stats.num_swapped_in += 1
+            budget -= self._schedule_chunk(seq, budget, out)
+
+    # ---- after the forward ----------------------------------------------------------------------------
     def abort(self, seq: Sequence) -> None:
         """Drop a request wherever it is, returning its blocks; a failed call must not leak KV."""
         if seq in self.waiting:
@@ -95,14 +246,23 @@ class Scheduler:
         elif seq in self.running:
             self.running.remove(seq)
             self.block_manager.deallocate(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.host_block_manager.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
 
-    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
-        """Append each sampled token; finish and free the sequences that are done. Returns those."""
+    def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
+        """Advance each sequence past the tokens it computed. One that reached its end gets its sampled token
+        (token_ids has one per such sequence, in batch order). Finish and free those that are done."""
+        sampled = iter(token_ids)
         finished = []
-        for seq, token_id in zip(seqs, token_ids):
-            start, seq.num_computed_tokens = seq.num_computed_tokens, len(seq)
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+            start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
             self.block_manager.hash_blocks(seq, start)  # their KV is written now: others may reuse it
+            if seq.num_computed_tokens < len(seq):  # a prompt chunk short of the end: nothing to sample yet
+                self.stats.num_chunked_prefills += 1
+                continue
+            token_id = next(sampled)
             seq.append_token(token_id)
             self.stats.num_generated_tokens += 1
             seq.finish_reason = self._finish_reason(seq, token_id)

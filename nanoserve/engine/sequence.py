@@ -8,14 +8,17 @@ from nanoserve.sampling_params import SamplingParams
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
+    SWAPPED = auto()  # preempted with its KV copied to host memory (preemption_mode="swap")
     FINISHED = auto()
 
 
 class Sequence:
     """One request: its tokens, where their KV lives, and how far the model has got."""
 
-    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int):
-        self.seq_id = seq_id
+    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
+                 priority: int = 0):
+        self.seq_id = seq_id  # ids count up in arrival order
+        self.priority = priority  # scheduling_policy="priority": lower values are served first
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
