@@ -1,0 +1,92 @@
+"""Every combination of the scheduling options changes the batches, never the output: greedy output equals
+transformers, with a KV pool small enough that preemption (and swapping) really happens."""
+import random
+
+import pytest
+
+from conftest import ARCHS, hf_greedy, random_prompts
+from nanoserve import LLM, SamplingParams
+from nanoserve.engine.llm_engine import LLMEngine
+
+MAX_TOKENS = 24
+BLOCK_SIZE = 4
+BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK_SIZE  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
+COMBOS = [(chunked, policy, mode) for chunked in (False, True) for policy in ("fcfs", "priority")
+          for mode in ("recompute", "swap")]
+
+
+Request = tuple[int, list[int], SamplingParams, int]  # (arrival step, prompt, sampling params, priority)
+
+
+def requests(use_priority: bool) -> list[Request]:
+    """Three long requests first, then three urgent ones, all sharing a prefix."""
+    shared = random_prompts(1, seed=7, low=8, high=9)[0]
+    prompts = [shared + p for p in random_prompts(6, seed=8, low=4, high=30)]
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    return [(0 if i < 3 else 3, prompt, params, int(use_priority and i < 3)) for i, prompt in enumerate(prompts)]
+
+
+def run(engine: LLMEngine, reqs: list[Request]) -> list[list[int]]:
+    """Step the engine, adding each request at its arrival step; returns the completions in request order."""
+    pending, seqs, step = sorted(range(len(reqs)), key=lambda i: reqs[i][0]), {}, 0
+    while pending or not engine.is_finished():
+        while pending and reqs[pending[0]][0] <= step:
+            i = pending.pop(0)
+            seqs[i] = engine.add_request(*reqs[i][1:])
+        engine.step()
+        step += 1
+    return [seqs[i].completion_token_ids for i in range(len(reqs))]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_models):
+    prompts = [prompt for _, prompt, _, _ in requests(False)]
+    return {arch: hf_greedy(tiny_models[arch], prompts, MAX_TOKENS) for arch in ARCHS}
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("chunked, policy, mode", COMBOS)
+def test_every_combination_equals_transformers(tiny_models, expected, chunked, policy, mode, prefix_caching):
+    arch = ARCHS[COMBOS.index((chunked, policy, mode)) % len(ARCHS)]
+    # 16 blocks of 4 tokens: the longest request (62 tokens) fits alone, the six together do not.
+    llm = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_model_len=64,
+              max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked,
+              scheduling_policy=policy, preemption_mode=mode, swap_space=24 * BLOCK_BYTES / 2**30,
+              enable_prefix_caching=prefix_caching)
+    assert run(llm.engine, requests(policy == "priority")) == expected[arch]
+    stats = llm.stats
+    assert stats.num_preemptions > 0
+    if chunked:
+        assert stats.num_chunked_prefills > 0 and stats.num_mixed_steps > 0
+    if policy == "priority":
+        assert stats.num_priority_preemptions > 0
+    if mode == "swap":
+        assert stats.num_swapped_in == stats.num_swapped_out > 0
+    else:
+        assert stats.num_swapped_out == 0
+    if prefix_caching:
+        assert stats.num_cached_tokens > 0
+    scheduler = llm.engine.scheduler
+    for pool in (scheduler.block_manager, scheduler.host_block_manager):
+        assert pool is None or pool.num_free_blocks == pool.num_blocks
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_traffic_equals_an_unconstrained_pool(tiny_models, seed):
+    """Random options, arrivals, lengths, priorities and pool sizes against one roomy default engine."""
+    rng = random.Random(seed)
+    arch = ARCHS[seed % len(ARCHS)]
+    chunked, policy = rng.random() < 0.5, rng.choice(["fcfs", "priority"])
+    shared = random_prompts(1, seed=seed, low=12, high=13)[0]
+    prompts = [shared[: rng.randint(0, 12)] + p for p in random_prompts(6, seed=10 + seed, low=1, high=30)]
+    reqs = [(rng.randint(0, 6), prompt, SamplingParams(temperature=0, max_tokens=rng.randint(4, 16)),
+             rng.randint(0, 3) if policy == "priority" else 0) for prompt in prompts]
+    largest = max(-(-(len(prompt) + params.max_tokens) // BLOCK_SIZE) for _, prompt, params, _ in reqs)
+    llm = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=rng.randint(largest, largest + 4),
+              max_model_len=64, max_num_batched_tokens=rng.randint(4, 32) if chunked else 64,
+              enable_chunked_prefill=chunked, scheduling_policy=policy,
+              preemption_mode=rng.choice(["recompute", "swap"]), enable_prefix_caching=rng.random() < 0.5,
+              swap_space=rng.randint(1, 2 * largest) * BLOCK_BYTES / 2**30)
+    roomy = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=64)
+    assert run(llm.engine, reqs) == run(roomy.engine, [(t, p, sp, 0) for t, p, sp, _ in reqs])
+    assert llm.stats.num_preemptions > 0 and roomy.stats.num_preemptions == 0

@@ -1,0 +1,145 @@
+"""Randomized: every combination of the scheduling options under random arrivals, lengths, priorities and
+pool sizes, with a stand-in model whose next token depends on the whole prefix. Every request finishes, no
+step exceeds its token or sequence budget, every sequence reads only its own KV (through swaps too), no
+block leaks or goes below zero references, and each output equals the request's run with memory to spare."""
+import random
+import zlib
+from array import array
+from collections import Counter
+
+import pytest
+
+from nanoserve.config import Config
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.sampling_params import SamplingParams
+
+EOS = 2
+NUM_CASES = 150  # per prefix-caching setting
+
+
+def next_token(token_ids: list[int]) -> int:
+    """The stand-in model: a deterministic function of the whole prefix, EOS (2) one time in eight."""
+    return 2 + zlib.crc32(array("q", token_ids).tobytes()) % 8
+
+
+def unconstrained(prompt: list[int], params: SamplingParams) -> list[int]:
+    """The request's output when it has the model and the memory to itself."""
+    tokens = list(prompt)
+    while True:
+        tokens.append(next_token(tokens))
+        t = tokens[-1]
+        if (t == EOS and not params.ignore_eos) or t in params.stop_token_ids or \
+                len(tokens) - len(prompt) == params.max_tokens:
+            return tokens[len(prompt):]
+
+
+def random_case(rng: random.Random, model: str, prefix_caching: bool):
+    block_size = rng.choice([1, 2, 4])
+    max_model_len = rng.randint(4, 32)
+    chunked = rng.random() < 0.5
+    config = Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=max_model_len,
+                    max_num_batched_tokens=rng.randint(1 if chunked else max_model_len, 2 * max_model_len),
+                    enable_chunked_prefill=chunked, scheduling_policy=rng.choice(["fcfs", "priority"]),
+                    preemption_mode=rng.choice(["recompute", "swap"]), enable_prefix_caching=prefix_caching)
+    prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))] for _ in range(3)]
+    requests = []
+    for seq_id in range(rng.randint(1, 12)):
+        prompt = (rng.choice(prefixes) + [rng.randint(3, 9) for _ in range(rng.randint(1, 8))])[: max_model_len - 1]
+        room = max_model_len - len(prompt)
+        params = SamplingParams(max_tokens=rng.randint(-(-room // 2), room), ignore_eos=rng.random() < 0.5,
+                                stop_token_ids=rng.choice([[], [3]]))
+        priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
+        requests.append((rng.randint(0, 10), Sequence(seq_id, prompt, params, block_size, priority)))
+    largest = max(-(-(len(seq) + seq.sampling_params.max_tokens) // block_size) for _, seq in requests)
+    bm = BlockManager(rng.randint(largest, 2 * largest), block_size, prefix_caching)  # often too small for all
+    host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if config.preemption_mode == "swap" else None
+    return config, sorted(requests, key=lambda r: r[0]), Scheduler(config, bm, host)
+
+
+def check_step(out: SchedulerOutput, config: Config) -> None:
+    assert len(out.seqs) <= config.max_num_seqs
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        assert 1 <= n and seq.num_computed_tokens + n <= len(seq)
+        assert len(seq.block_table) * config.block_size >= seq.num_computed_tokens + n
+    if config.enable_chunked_prefill or out.is_prefill:
+        assert sum(out.num_scheduled_tokens) <= config.max_num_batched_tokens
+    else:  # nano-vllm's decode steps are bounded by max_num_seqs
+        assert all(n == 1 for n in out.num_scheduled_tokens)
+
+
+def move_kv(kv: dict, host_kv: dict, out: SchedulerOutput, block_size: int) -> None:
+    """Stand-in KV cache (slot -> the token prefix whose KV it holds): the copies the model runner makes."""
+    for mapping, src, dst in ((out.blocks_to_swap_out, kv, host_kv), (out.blocks_to_swap_in, host_kv, kv)):
+        for src_block, dst_block in mapping:
+            for offset in range(block_size):
+                dst[dst_block, offset] = src.get((src_block, offset))
+
+
+def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int) -> None:
+    """The batch writes its new tokens (all of them before anyone reads, as the model does); then each
+    sequence's context, up to the end of its chunk, must be its own."""
+    written = {}
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            slot = (seq.block_table[p // block_size], p % block_size)
+            assert slot not in written, "two sequences write one KV slot in one step"
+            written[slot] = tuple(seq.token_ids[: p + 1])
+    kv.update(written)
+    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
+        for p in range(seq.num_computed_tokens + n):
+            assert kv.get((seq.block_table[p // block_size], p % block_size)) == tuple(seq.token_ids[: p + 1])
+
+
+def check_books(scheduler: Scheduler) -> None:
+    for pool, holders in ((scheduler.block_manager, scheduler.running), (scheduler.host_block_manager,
+                                                                        scheduler.swapped)):
+        if pool is None:
+            continue
+        count = Counter(b for seq in holders for b in seq.block_table)
+        assert [b.ref_count for b in pool.blocks] == [count[b.block_id] for b in pool.blocks]  # so never < 0
+        assert sorted(pool.free_block_ids) == [b.block_id for b in pool.blocks if b.ref_count == 0]
+    bm = scheduler.block_manager
+    assert all(bm.blocks[i].hash == h for h, i in bm.hash_to_block_id.items())
+    for queue, status in ((scheduler.waiting, SequenceStatus.WAITING), (scheduler.running, SequenceStatus.RUNNING),
+                          (scheduler.swapped, SequenceStatus.SWAPPED)):
+        assert all(seq.status == status for seq in queue)
+    assert all(seq.block_table == [] and seq.num_computed_tokens == 0 for seq in scheduler.waiting)
+    assert len(scheduler.running) <= scheduler.max_num_seqs
+
+
+def run_case(model: str, seed: int, prefix_caching: bool) -> None:
+    rng = random.Random(seed)
+    config, requests, scheduler = random_case(rng, model, prefix_caching)
+    seqs = [seq for _, seq in requests]
+    expected = [unconstrained(seq.token_ids, seq.sampling_params) for seq in seqs]
+    kv: dict = {}
+    host_kv: dict = {}
+    for t in range(10_000):
+        while requests and requests[0][0] <= t:
+            scheduler.add(requests.pop(0)[1])
+        if scheduler.is_finished():
+            if not requests:
+                break
+            continue
+        out = scheduler.schedule()
+        check_step(out, config)
+        move_kv(kv, host_kv, out, config.block_size)
+        write_and_check_kv(kv, out, config.block_size)
+        scheduler.postprocess(out, [next_token(seq.token_ids) for seq, s in zip(out.seqs, out.do_sample) if s])
+        check_books(scheduler)
+    else:
+        pytest.fail("requests still unfinished after 10000 steps")
+    assert all(seq.is_finished for seq in seqs)
+    assert [seq.completion_token_ids for seq in seqs] == expected
+    check_books(scheduler)  # with nobody left, every block is free
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_random_traffic_under_every_option(tiny_models, prefix_caching):
+    for seed in range(NUM_CASES):
+        try:
+            run_case(tiny_models["qwen3"], seed, prefix_caching)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, prefix_caching={prefix_caching}") from e
