@@ -72,7 +72,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache, layer.impl = self.kv_cache[0, i], self.kv_cache[1, i], impl
 
     def _allocate_host_cache(self) -> None:
-        """The swap pool: swap_space GiB of host memory shaped like kv_cache, pinned on CUDA for fast copies."""
+        """The swap pool: swap_space GiB of host memory shaped like kv_cache (page-locked on CUDA, as vLLM's)."""
         self.num_host_blocks = int(self.config.swap_space * 2**30) // self._block_bytes()
         if self.num_host_blocks < 1:
             raise ValueError(f"swap_space ({self.config.swap_space} GiB) is too small for one KV block "

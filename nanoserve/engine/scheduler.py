@@ -46,7 +46,7 @@ class SchedulerOutput:
 
     @property
     def do_sample(self) -> list[bool]:
-        """Per sequence: does this step reach its end, so that a next token is sampled? (Before postprocess.)"""
+        """Per sequence: does this step reach its end, so that a next token is sampled? (Until postprocess.)"""
         return [seq.num_computed_tokens + n == len(seq) for seq, n in zip(self.seqs, self.num_scheduled_tokens)]
 
 
@@ -169,21 +169,25 @@ class Scheduler:
             else:
                 budget -= self._schedule_chunk(seq, budget, out)
                 i += 1
-        if short_of_blocks:
-            pass  # nobody comes back or in during a step that had to preempt (vLLM V1)
-        elif self.swapped:  # swapped-out requests come back before any new prompt is admitted
-            self._schedule_swapped(out, budget)
-        else:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-                seq = self.waiting[0]
-                if not self.block_manager.allocate(seq):
-                    break
-                self._admit(seq)
-                budget -= self._schedule_chunk(seq, budget, out)
+        if not short_of_blocks:  # a step that had to preempt brings nobody back or in (vLLM V1)
+            if self.swapped:  # swapped-out requests come back before any new prompt is admitted
+                self._schedule_swapped(out, budget)
+            else:
+                self._schedule_waiting(out, budget)
         # A decode computes just the newest token, one the model generated; anything else is prefill work.
         decodes = [seq.num_computed_tokens == len(seq) - 1 and seq.num_completion_tokens > 0 for seq in out.seqs]
         out.is_prefill = not all(decodes)
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            # All of the prompt's blocks, though only a chunk may run now (V1 allocates per chunk):
+            # simpler, and a prompt once started never stalls for memory halfway.
+            if not self.block_manager.allocate(seq):
+                break
+            self._admit(seq)
+            budget -= self._schedule_chunk(seq, budget, out)
 
     # ---- vLLM V0 priority scheduling (scheduling_policy="priority") -----------------------------------
     def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool = False) -> None:
