@@ -90,3 +90,17 @@ def test_random_traffic_equals_an_unconstrained_pool(tiny_models, seed):
     roomy = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=64)
     assert run(llm.engine, reqs) == run(roomy.engine, [(t, p, sp, 0) for t, p, sp, _ in reqs])
     assert llm.stats.num_preemptions > 0 and roomy.stats.num_preemptions == 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_schedule(tiny_models):
+    """A chunk that stops short of its prompt's end draws no sample, so a seeded request's random numbers, and
+    its tokens, are the same however its prompt is cut and however often it is preempted."""
+    reqs = [(arrival, prompt, SamplingParams(temperature=1.0, seed=i, max_tokens=MAX_TOKENS), 0)
+            for i, (arrival, prompt, _, _) in enumerate(requests(False))]
+    roomy = LLM(tiny_models["qwen3"], block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=64)
+    tight = LLM(tiny_models["qwen3"], block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_model_len=64,
+                enable_chunked_prefill=True, max_num_batched_tokens=8, preemption_mode="swap",
+                swap_space=8 * BLOCK_BYTES / 2**30)
+    assert run(tight.engine, reqs) == run(roomy.engine, reqs)
+    assert tight.stats.num_chunked_prefills > 0 and tight.stats.num_swapped_out > 0
+    assert tight.stats.num_preemptions > tight.stats.num_swapped_out  # the small host pool also recomputed
