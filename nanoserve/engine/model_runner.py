@@ -49,7 +49,8 @@ class ModelRunner:
         if config.preemption_mode == "swap":
             self._allocate_host_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Only flash-attn's decode is capturable: the PyTorch path plans each batch on the host.
+        if self.use_flash_attn and not config.enforce_eager:
             self._capture_cudagraphs()
 
     # ---- KV cache -------------------------------------------------------------------------
