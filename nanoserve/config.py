@@ -1,3 +1,4 @@
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
@@ -13,7 +14,7 @@ class Config:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
     max_model_len: int = 4096
-    block_size: int = 256
+    block_size: int | None = None  # tokens per KV block; None: 256 with flash-attn (its minimum), else 16
     num_kvcache_blocks: int | None = None  # force the KV pool size; None sizes it from memory
     gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory the engine may fill
     cpu_kvcache_space: float = 2.0  # CPU: GiB of RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE)
@@ -27,11 +28,19 @@ class Config:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    use_flash_attn: bool = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model: {self.model!r} is not a model folder (no config.json found in it)")
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # The PyTorch attention copies each sequence's KV out block by block, padding to whole blocks,
+        # so small blocks waste less (16 is vLLM's default); flash-attn's paged kernels need 256.
+        self.use_flash_attn = self.device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        if self.block_size is None:
+            self.block_size = 256 if self.use_flash_attn else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -52,8 +61,6 @@ class Config:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or set enable_chunked_prefill=True"
             )
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):

@@ -1,4 +1,3 @@
-import importlib.util
 from itertools import accumulate
 
 import torch
@@ -37,7 +36,7 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.use_flash_attn = self.device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        self.use_flash_attn = config.use_flash_attn
         if self.use_flash_attn and config.block_size % 256:
             raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {config.block_size}")
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
@@ -49,7 +48,8 @@ class ModelRunner:
         if config.preemption_mode == "swap":
             self._allocate_host_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Only flash-attn's decode is capturable: the PyTorch path plans each batch on the host.
+        if self.use_flash_attn and not config.enforce_eager:
             self._capture_cudagraphs()
 
     # ---- KV cache -------------------------------------------------------------------------

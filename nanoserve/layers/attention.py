@@ -20,6 +20,7 @@ class AttentionMetadata:
     cu_seqlens_k: torch.Tensor  # [num_seqs + 1]: prefix sums of context_lens
     max_seqlen_q: int
     max_seqlen_k: int
+    torch_plan: "TorchAttentionPlan | None" = None  # the PyTorch path's split of the batch: built by layer 0
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -29,31 +30,71 @@ def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cac
     v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
 
 
+# The PyTorch path batches decoding sequences until a group's padded context reaches this many tokens:
+# enough to amortize the per-call cost, few enough that the K/V it copies out stays in the CPU's cache.
+DECODE_GROUP_TOKENS = 4096
+
+
+@dataclass
+class TorchAttentionPlan:
+    """How torch_paged_attention splits a batch; the same for every layer, so built once per step."""
+
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (rows, block_ids, padding mask)
+    prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (start, end, block_ids, len, mask)
+
+
+def plan_torch_attention(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+    """A sequence with one new token (a decode) joins a group of sequences of similar context length:
+    sorted by length, so padding a group to its longest wastes little. A sequence with several new tokens
+    (a prefill) gets its own causal SDPA call over exactly its context."""
+    dev = meta.block_tables.device
+    starts, q_lens = meta.cu_seqlens_q[:-1].tolist(), meta.cu_seqlens_q.diff().tolist()
+    context_lens = meta.context_lens.tolist()
+    plan = TorchAttentionPlan([], [])
+    decodes = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: context_lens[i])
+    while decodes:
+        n = 1  # grow the group while its padded size (n sequences x the longest context) fits the budget
+        while n < len(decodes) and (n + 1) * context_lens[decodes[n]] <= DECODE_GROUP_TOKENS:
+            n += 1
+        seqs, decodes = decodes[:n], decodes[n:]
+        num_blocks = -(-context_lens[seqs[-1]] // block_size)
+        block_ids = meta.block_tables[seqs, :num_blocks].flatten().clamp(min=0)  # -1 padding: masked out
+        mask = torch.arange(num_blocks * block_size, device=dev) < meta.context_lens[seqs, None]
+        rows = torch.tensor([starts[i] for i in seqs], device=dev)  # each sequence's row in the flat batch
+        plan.decode_groups.append((rows, block_ids, mask[:, None, None, :]))
+    for i, (start, q_len, context_len) in enumerate(zip(starts, q_lens, context_lens)):
+        if q_len > 1:
+            # Causal, aligned bottom-right: the new tokens come after context_len - q_len cached ones.
+            mask = None if q_len == context_len else torch.ones(
+                q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len)
+            block_ids = meta.block_tables[i, : -(-context_len // block_size)]
+            plan.prefills.append((start, start + q_len, block_ids, context_len, mask))
+    return plan
+
+
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Pure-PyTorch paged attention: gather each sequence's blocks, pad, and run SDPA with a mask."""
-    num_seqs = meta.block_tables.shape[0]
-    # [num_seqs, max_num_blocks * block_size, kv_heads, head_dim]: every sequence's context, padded.
-    k = k_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    v = v_cache[meta.block_tables].flatten(1, 2).transpose(1, 2)
-    q_lens = meta.cu_seqlens_q.diff()
-    max_q = meta.max_seqlen_q
-    if max_q == 1:  # decode: one query per sequence, no padding needed
-        q_padded = q.unsqueeze(1)
-    else:  # scatter the flat queries into a [num_seqs, max_q] grid
-        seq_idx = torch.repeat_interleave(torch.arange(num_seqs, device=q.device), q_lens)
-        row = torch.arange(q.shape[0], device=q.device) - meta.cu_seqlens_q[seq_idx]
-        flat_idx = seq_idx * max_q + row
-        q_padded = q.new_zeros(num_seqs * max_q, *q.shape[1:])
-        q_padded[flat_idx] = q
-        q_padded = q_padded.view(num_seqs, max_q, *q.shape[1:])
-    # Causal over the whole context: query i of a sequence sits at position context_len - q_len + i.
-    q_pos = (meta.context_lens - q_lens)[:, None] + torch.arange(max_q, device=q.device)
-    k_pos = torch.arange(k.shape[2], device=q.device)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]).unsqueeze(1)
-    out = F.scaled_dot_product_attention(q_padded.transpose(1, 2), k, v, attn_mask=mask, scale=scale,
-                                         enable_gqa=True).transpose(1, 2)
-    return out.squeeze(1) if max_q == 1 else out.reshape(num_seqs * max_q, *q.shape[1:])[flat_idx]
+    """Pure-PyTorch paged attention: copy each sequence's KV blocks out of the cache, then run SDPA on them."""
+    if meta.torch_plan is None:
+        meta.torch_plan = plan_torch_attention(meta, block_size=k_cache.shape[1])
+    kv_heads, head_dim = k_cache.shape[2:]
+    out = torch.empty_like(q)
+    for rows, block_ids, mask in meta.torch_plan.decode_groups:
+        # [n, kv_heads, padded context, head_dim]; index_select copies whole blocks.
+        k = k_cache.index_select(0, block_ids).view(len(rows), -1, kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, block_ids).view(len(rows), -1, kv_heads, head_dim).transpose(1, 2)
+        # GQA: the query heads that share a KV head become its rows of queries, so each key is read once.
+        o = F.scaled_dot_product_attention(q[rows].view(len(rows), kv_heads, -1, head_dim), k, v,
+                                           attn_mask=mask, scale=scale)
+        out[rows] = o.view(len(rows), -1, head_dim)
+    for start, end, block_ids, context_len, mask in meta.torch_plan.prefills:
+        # [1, kv_heads, context_len, head_dim] (4-D: SDPA's fast CPU kernel needs a batch dimension)
+        k = k_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
+                                           is_causal=mask is None, scale=scale, enable_gqa=True)
+        out[start:end] = o[0].transpose(0, 1)
+    return out
 
 
 def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
