@@ -90,7 +90,7 @@ CHATS = ["What is the capital of France?", "Name three primary colors.",
 def test_nanoserve_equals_transformers_on_default_model(converted):
     """The real demo model: four chat prompts, 48 greedy tokens each, token for token equal to transformers."""
     _, folder = converted
-    llm = LLM(str(folder), max_model_len=512, num_kvcache_blocks=8)
+    llm = LLM(str(folder), max_model_len=512)
     outputs = llm.chat([[{"role": "user", "content": q}] for q in CHATS],
                        SamplingParams(temperature=0, max_tokens=48, ignore_eos=True), use_tqdm=False)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
