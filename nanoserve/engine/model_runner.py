@@ -15,6 +15,7 @@ from nanoserve.layers.sampler import Sampler
 from nanoserve.models import build_model
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.loader import load_weights
+from nanoserve.utils.memory import keep_freed_memory
 
 
 class ModelRunner:
@@ -24,6 +25,8 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.block_size = config.block_size
+        if self.device.type == "cpu":
+            keep_freed_memory()  # reuse activation memory across steps instead of page-faulting it in
         torch.manual_seed(config.seed)
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(config.torch_dtype)
