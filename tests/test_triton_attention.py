@@ -44,7 +44,7 @@ def random_batch(batch: list[tuple[int, int]], block_size: int, num_heads: int, 
 
 
 @pytest.mark.parametrize("block_size", [16, 32])
-@pytest.mark.parametrize("gqa", [1, 2, 4])
+@pytest.mark.parametrize("gqa", [1, 2, 3, 4])  # 3: SmolLM2 has 9 query heads per 3 KV heads
 @pytest.mark.parametrize("batch", [DECODES, MIXED], ids=["decode", "mixed"])
 def test_paged_attention_equals_pytorch_path(block_size, gqa, batch):
     q, k_cache, v_cache, meta = random_batch(batch, block_size, KV_HEADS * gqa, seed=block_size + gqa)
