@@ -6,6 +6,24 @@ import torch
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 
+def pick_attention_backend(name: str, device: str) -> str:
+    """Resolve "auto" (flash-attn, else Triton on CUDA; PyTorch elsewhere), or check that `name` can run here."""
+    choices = ("auto", "flash_attn", "triton", "torch")
+    if name not in choices:
+        raise ValueError(f"attention_backend must be one of {choices}, got {name!r}")
+    installed = {b: importlib.util.find_spec(b) is not None for b in ("flash_attn", "triton")}
+    if name == "auto":
+        return next((b for b in ("flash_attn", "triton") if device == "cuda" and installed[b]), "torch")
+    if name != "torch" and not installed[name]:
+        raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
+    if name == "flash_attn" and device != "cuda":
+        raise ValueError(f"attention_backend='flash_attn' needs CUDA, but device is {device!r}")
+    if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
+                         "tests): export TRITON_INTERPRET=1 before starting Python")
+    return name
+
+
 @dataclass
 class Config:
     """Engine settings, named as in vLLM's `LLM(...)` so workshop code ports."""
@@ -15,6 +33,7 @@ class Config:
     max_num_batched_tokens: int = 16384
     max_model_len: int = 4096
     block_size: int | None = None  # tokens per KV block; None: 256 with flash-attn (its minimum), else 16
+    attention_backend: str = "auto"  # "flash_attn", "triton" or "torch"; "auto": the first that runs here
     num_kvcache_blocks: int | None = None  # force the KV pool size; None sizes it from memory
     gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory the engine may fill
     cpu_kvcache_space: float = 2.0  # CPU: GiB of RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE)
@@ -29,7 +48,6 @@ class Config:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     hf_config: PretrainedConfig = field(init=False, repr=False)
-    use_flash_attn: bool = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -37,14 +55,19 @@ class Config:
             raise ValueError(f"model: {self.model!r} is not a model folder (no config.json found in it)")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.attention_backend = pick_attention_backend(self.attention_backend, self.device)
         # The PyTorch attention copies each sequence's KV out block by block, padding to whole blocks,
-        # so small blocks waste less (16 is vLLM's default); flash-attn's paged kernels need 256.
-        self.use_flash_attn = self.device == "cuda" and importlib.util.find_spec("flash_attn") is not None
+        # so small blocks waste less (16 is vLLM's default); flash-attn's paged kernels need 256. The Triton
+        # kernels find a token's block with shifts and masks: any power of two from 16 up.
         if self.block_size is None:
-            self.block_size = 256 if self.use_flash_attn else 16
+            self.block_size = 256 if self.attention_backend == "flash_attn" else 16
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.attention_backend == "flash_attn" and self.block_size % 256:
+            raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {self.block_size}")
+        if self.attention_backend == "triton" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
+            raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
         if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
             raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
         for name, choices in (("scheduling_policy", ("fcfs", "priority")), ("preemption_mode", ("recompute", "swap"))):

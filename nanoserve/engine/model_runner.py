@@ -9,8 +9,7 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import (
     Attention,
     AttentionMetadata,
-    flash_paged_attention,
-    torch_paged_attention,
+    attention_backend,
 )
 from nanoserve.layers.sampler import Sampler
 from nanoserve.models import build_model
@@ -55,9 +54,6 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        self.use_flash_attn = config.use_flash_attn
-        if self.use_flash_attn and config.block_size % 256:
-            raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {config.block_size}")
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
         if self.num_kvcache_blocks < 1:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
@@ -69,8 +65,9 @@ class ModelRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
-        # Only flash-attn's decode is capturable: the PyTorch path plans each batch on the host.
-        if self.use_flash_attn and not config.enforce_eager:
+        # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path plans
+        # each batch on the host and stays eager.
+        if self.device.type == "cuda" and config.attention_backend != "torch" and not config.enforce_eager:
             self._capture_cudagraphs()
 
     # ---- KV cache -------------------------------------------------------------------------
@@ -88,9 +85,10 @@ class ModelRunner:
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
                                     a.num_kv_heads, a.head_dim, dtype=self.config.torch_dtype, device=self.device)
         self.scratch_slot = num_blocks * self.block_size
-        impl = flash_paged_attention if self.use_flash_attn else torch_paged_attention
+        store, impl = attention_backend(self.config.attention_backend)
         for i, layer in enumerate(self.attn_layers):
-            layer.k_cache, layer.v_cache, layer.impl = self.kv_cache[0, i], self.kv_cache[1, i], impl
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.store, layer.impl = store, impl
 
     def _allocate_host_cache(self) -> None:
         """The swap pool: swap_space GiB of host memory shaped like kv_cache (page-locked on CUDA, as vLLM's)."""

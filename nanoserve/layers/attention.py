@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -112,16 +113,24 @@ def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                   block_table=meta.block_tables)
 
 
+def attention_backend(name: str) -> tuple[Callable, Callable]:
+    """The (store K/V, attend) pair of a backend, as Config resolved it; triton is imported only when chosen."""
+    if name == "triton":
+        from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache
+        return triton_store_kvcache, triton_paged_attention
+    return store_kvcache, flash_paged_attention if name == "flash_attn" else torch_paged_attention
+
+
 class Attention(nn.Module):
     """Stores new K/V into the paged cache, then attends over each sequence's whole context."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # Bound by the ModelRunner once it has sized the KV cache and picked the implementation.
+        # Bound by the ModelRunner once it has sized the KV cache, with the backend's functions.
         self.k_cache = self.v_cache = torch.tensor([])
-        self.impl = torch_paged_attention
+        self.store, self.impl = store_kvcache, torch_paged_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+        self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.impl(q, self.k_cache, self.v_cache, meta, self.scale)

@@ -1,0 +1,134 @@
+"""Paged attention in Triton: the GPU path that needs no flash-attn, and a lesson in how paged kernels work.
+
+Two kernels, with the same contract as `torch_paged_attention` (attention.py):
+
+1. `store_kvcache_kernel` writes this step's K and V into the paged cache: one program per new token,
+   which copies the token's kv_heads x head_dim values to the cache slot that `slot_mapping` names.
+2. `paged_attention_kernel` computes attention for every sequence of the batch straight out of the cache.
+   There is no separate decode kernel: a decode is a prefill of one query token. (vLLM's Triton backend,
+   "unified attention", makes the same choice.) That one kernel serves fresh prompts, prefix-cache hits,
+   chunks of a chunked prefill, decodes, and the mixed batches of the token-budget policy.
+
+Triton runs each kernel as a grid of independent program instances; each one computes one tile of the output
+with block-wide vector operations. Under `TRITON_INTERPRET=1` the same code runs on CPU tensors through NumPy,
+one program after another (slowly): that is how the tests check these kernels on a machine without a GPU.
+`triton.jit` reads that variable when a kernel is defined, i.e. when this module is first imported.
+"""
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                         stride_k, stride_v, stride_slot, KV_SIZE: tl.constexpr, KV_SIZE_PAD: tl.constexpr):
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token)  # block_id * block_size + offset, computed by the model runner
+    offs = tl.arange(0, KV_SIZE_PAD)  # tl.arange needs a power of two: pad and mask
+    mask = offs < KV_SIZE
+    tl.store(k_cache_ptr + slot * stride_slot + offs, tl.load(k_ptr + token * stride_k + offs, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * stride_slot + offs, tl.load(v_ptr + token * stride_v + offs, mask=mask), mask=mask)
+
+
+def triton_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slot_mapping: torch.Tensor) -> None:
+    """k, v: [num_tokens, kv_heads, head_dim], each token's values contiguous (rows may be strided views)."""
+    k, v = k.flatten(1), v.flatten(1)
+    kv_size = k.shape[1]
+    store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
+                                        k_cache.stride(1), kv_size, triton.next_power_of_2(kv_size))
+
+
+@triton.jit
+def paged_attention_kernel(
+    out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
+    scale_log2e, stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kvh, stride_bt,
+    BLOCK_SIZE: tl.constexpr,  # tokens per KV block (a power of two)
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,  # query heads per KV head (GQA), and rounded up to a power of 2
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # query tokens per program
+    BLOCK_N: tl.constexpr,  # keys per step of the loop
+    PRECISION: tl.constexpr,  # "ieee" keeps float32 matmuls exact; tensor cores round them to tf32
+):
+    # Program (seq, q_block, kv_head) computes the outputs of BLOCK_Q new tokens of one sequence for the
+    # GROUP query heads that share one KV head. Those BLOCK_Q x GROUP_PAD query vectors become the rows of
+    # one tile, so each key and value is read once per KV head, not once per query head.
+    seq, q_block, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_block * BLOCK_Q >= q_len:  # the grid is sized for the longest query in the batch
+        return
+    context_len = tl.load(context_lens_ptr + seq)  # cached tokens + this step's, all already in the cache
+
+    rows = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    token = q_block * BLOCK_Q + rows // GROUP_PAD  # which new token of the sequence a row belongs to
+    head = kv_head * GROUP + rows % GROUP_PAD  # and which query head
+    row_ok = (token < q_len) & (rows % GROUP_PAD < GROUP)
+    # Causal, aligned bottom-right: the q_len new tokens are the last ones of the context, so new token i
+    # sits at position context_len - q_len + i and sees the keys at positions up to that one.
+    pos = context_len - q_len + token
+    dims = tl.arange(0, HEAD_DIM_PAD)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+                mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+
+    # Online softmax (flash attention): walk the context BLOCK_N keys at a time and keep, per row, the running
+    # max m_i, the running sum l_i of exp(score - m_i) and the running output acc. When a larger max turns up, the
+    # old l_i and acc are rescaled by exp(old m_i - new m_i). So the scores of a whole row never have to sit in
+    # memory at once, and K/V are read once, whatever the context length.
+    m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    # Keys after this program's last query position are masked for every row: don't even load them.
+    num_keys = tl.minimum(context_len, context_len - q_len + (q_block + 1) * BLOCK_Q)
+    for start in range(0, num_keys, BLOCK_N):
+        key = start + tl.arange(0, BLOCK_N)  # positions in the sequence
+        # Paging: position p lives in block block_table[p // BLOCK_SIZE] at offset p % BLOCK_SIZE, the same
+        # arithmetic that built slot_mapping. A tile may span several blocks, scattered anywhere in the cache.
+        block_id = tl.load(block_tables_ptr + seq * stride_bt + key // BLOCK_SIZE, mask=key < num_keys, other=0)
+        slot = block_id.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
+        kv_offs = slot[:, None] * stride_slot + kv_head * stride_kvh + dims[None, :]
+        kv_mask = (key < num_keys)[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        # Scores in base 2 (exp2 is the GPU's native exponential): s * log2(e) * scale.
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
+        s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))  # causal mask (also hides key >= num_keys)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_new
+    # A padding row of a CUDA graph has no context at all (l_i = 0): write zeros there, not 0/0.
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+
+
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
+                           ) -> torch.Tensor:
+    """q: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
+
+    Only shapes and Python ints decide the launch: nothing waits for the GPU, so CUDA graphs can capture it.
+    """
+    num_heads, head_dim = q.shape[1:]
+    block_size, kv_heads = k_cache.shape[1:3]
+    group = num_heads // kv_heads
+    group_pad = triton.next_power_of_2(group)
+    # Enough query tokens to fill a tile of 64 rows, but at least 16 rows (tl.dot's minimum on a GPU):
+    # a decode batch gets one token per program, with GQA's heads as its rows.
+    block_q = max(min(triton.next_power_of_2(meta.max_seqlen_q), 64 // group_pad), 16 // group_pad, 1)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    grid = (meta.context_lens.shape[0], triton.cdiv(meta.max_seqlen_q, block_q), kv_heads)
+    # No split over the context ("split-K", "flash-decoding"): a decode batch of 256 sequences x 8 KV heads
+    # already gives a GPU thousands of programs. It would pay for a few very long sequences, at extra cost.
+    paged_attention_kernel[grid](
+        out, q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
+        scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=64,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
