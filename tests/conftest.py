@@ -5,13 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 # Without a GPU, the Triton kernels run on CPU tensors through Triton's interpreter. triton.jit reads this
-# variable when a kernel is defined, so it is set here, before any test imports nanoserve's Triton kernels;
-# only triton reads it, and the other tests use no Triton kernel.
+# variable when a function is defined: for triton's own library (tl.zeros...) when triton is first imported,
+# which transformers does, so it is set before importing transformers. Only triton reads it.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 COMMON = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,

@@ -116,3 +116,23 @@ def test_backend_choice_and_errors(tiny_models, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else find_spec(name))
     with pytest.raises(ValueError, match="triton is not installed"):
         Config(path, attention_backend="triton")
+
+
+def test_decode_forward_never_waits_for_the_host(tiny_models, monkeypatch):
+    """What lets CUDA graphs capture the Triton decode (they cannot run here): no value goes back to the host
+    inside the forward of a decode batch, so no .item(), .tolist(), bool() or copy to the CPU."""
+    llm = LLM(tiny_models["qwen3"], attention_backend="triton", num_kvcache_blocks=16)
+    run_model, decodes = llm.engine.model_runner.run_model, []
+
+    def run_model_without_host_syncs(input_ids, positions, meta, logits_rows):
+        if meta.max_seqlen_q > 1:
+            return run_model(input_ids, positions, meta, logits_rows)
+        decodes.append(meta)
+        with monkeypatch.context() as m:
+            for name in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+                m.setattr(torch.Tensor, name, lambda *a, name=name: pytest.fail(f"Tensor.{name} in a decode"))
+            return run_model(input_ids, positions, meta, logits_rows)
+
+    monkeypatch.setattr(llm.engine.model_runner, "run_model", run_model_without_host_syncs)
+    llm.generate(random_prompts(2, seed=6), SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert len(decodes) == 2
