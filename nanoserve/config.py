@@ -58,8 +58,15 @@ class Config:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
-        if self.tensor_parallel_size > 1:
-            self._check_tensor_parallel()
+        n, c = self.tensor_parallel_size, self.hf_config  # tensor parallelism: equal shares for every rank
+        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+            if getattr(c, name) % n:
+                raise ValueError(f"tensor_parallel_size ({n}) must divide {name} ({getattr(c, name)})")
+        if c.num_key_value_heads % n and n % c.num_key_value_heads:
+            raise ValueError(f"tensor_parallel_size ({n}) and num_key_value_heads ({c.num_key_value_heads}) "
+                             "must divide one another (fewer KV heads than ranks are replicated)")
+        if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
@@ -77,18 +84,6 @@ class Config:
         if os.path.isfile(os.path.join(self.model, "generation_config.json")):
             eos = GenerationConfig.from_pretrained(self.model).eos_token_id or eos  # what HF generate stops on
         self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-
-    def _check_tensor_parallel(self) -> None:
-        """Every rank gets an equal share of the heads, MLP columns and vocabulary, and on CUDA its own GPU."""
-        n, c = self.tensor_parallel_size, self.hf_config
-        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
-            if getattr(c, name) % n:
-                raise ValueError(f"tensor_parallel_size ({n}) must divide {name} ({getattr(c, name)})")
-        if c.num_key_value_heads % n and n % c.num_key_value_heads:
-            raise ValueError(f"tensor_parallel_size ({n}) and num_key_value_heads ({c.num_key_value_heads}) "
-                             "must divide one another (fewer KV heads than ranks are replicated)")
-        if self.device == "cuda" and n > torch.cuda.device_count():
-            raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -49,6 +49,7 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     full_shapes = {name: tuple(p.shape) for name, p in one.engine.model_runner.model.named_parameters()}
     del one
 
+    num_threads = torch.get_num_threads()
     llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
     assert generate(llm, plain)[0] == expected[0] == hf_greedy(path, plain, GREEDY.max_tokens)
     assert llm.stats.num_preemptions > 0
@@ -81,7 +82,7 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     assert generate(llm, plain[:2])[0] == expected[0][:2]
     procs = llm.engine.model_runner.workers.procs
     del llm
-    assert no_process_left(procs)
+    assert no_process_left(procs) and torch.get_num_threads() == num_threads
 
 
 def test_killed_worker_raises_a_clear_error_within_seconds(models):

@@ -18,8 +18,9 @@ import torch.multiprocessing as mp
 
 from nanoserve.config import Config
 
-# A collective waiting this long for a rank that hangs raises; one whose peer has died raises at once.
-TIMEOUT = timedelta(seconds=60)
+# A collective waiting this long for a rank that hangs raises (one whose peer has died raises at once); it must
+# exceed how far the ranks can drift apart, e.g. in loading their weights.
+TIMEOUT = timedelta(seconds=120)
 
 
 def init_process_group(config: Config, rank: int, port: int) -> None:
@@ -47,7 +48,7 @@ def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
         os._exit(0)  # skip the interpreter's teardown (seconds, with torch loaded): nothing is left to do
 
 
-def shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:
+def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int) -> None:
     """Close the pipes (each worker leaves its loop), wait a little, kill what is left, leave the group."""
     for conn in conns:
         conn.close()
@@ -58,6 +59,7 @@ def shutdown(procs: list[mp.Process], conns: list[Connection]) -> None:
             proc.join()
     if dist.is_initialized():
         dist.destroy_process_group()
+    torch.set_num_threads(num_threads)  # as before init_process_group
 
 
 class Workers:
@@ -77,7 +79,7 @@ class Workers:
             self.procs.append(proc)
             self.conns.append(writer)
         # On `del llm`, garbage collection or interpreter exit; it holds no reference to self.
-        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns)
+        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
         init_process_group(config, 0, port)
 
     def call(self, runner, method: str, args: tuple):
