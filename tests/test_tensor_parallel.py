@@ -85,8 +85,12 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     assert no_process_left(procs) and torch.get_num_threads() == num_threads
 
 
-def test_killed_worker_raises_a_clear_error_within_seconds(models):
-    llm = LLM(models["qwen3"], tensor_parallel_size=N)
+def test_swap_preemption_then_a_killed_worker_raises_a_clear_error_within_seconds(models):
+    llm = LLM(models["qwen3"], tensor_parallel_size=N, preemption_mode="swap", **OPTIONS)
+    prompts = random_prompts(8, seed=1)
+    assert generate(llm, prompts)[0] == hf_greedy(models["qwen3"], prompts, GREEDY.max_tokens)
+    assert llm.stats.num_swapped_out > 0  # every rank copied its own slice of the blocks out and back
+
     runner = llm.engine.model_runner
     worker = runner.workers.procs[0]
     run_model, calls = runner.run_model, []

@@ -84,7 +84,6 @@ class Workers:
 
     def call(self, runner, method: str, args: tuple):
         """Have every worker call runner.method(*args) on its own runner, then call it here."""
-        self.check()
         buf = io.BytesIO()
         torch.save((method, args), buf)
         try:
@@ -92,7 +91,7 @@ class Workers:
                 conn.send_bytes(buf.getbuffer())
             return getattr(runner, method)(*args)
         except (OSError, RuntimeError):  # a broken pipe or a failed collective: most often a dead worker
-            self.check(timeout=1.0)  # if so, say which
+            self.check(timeout=1.0)  # if so, say which (giving a dying one a second to be reaped)
             raise
 
     def check(self, timeout: float = 0.0) -> None:
