@@ -57,6 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     args.scenario = "shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm else "default"
@@ -145,7 +146,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
 def bench_nanoserve(path: str, args, prompts, output_lens, **options) -> dict:
     if args.block_size:
         options["block_size"] = args.block_size
-    llm = LLM(path, dtype=args.dtype, **options)
+    llm = LLM(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
     warmup = prompts[0][: args.prefix_len] if args.shared_prefix else list(range(1, 33))

@@ -3,6 +3,7 @@ import os
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
 
@@ -47,6 +48,7 @@ class Config:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
+    tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)
 
@@ -61,7 +63,8 @@ class Config:
         # kernels find a token's block with shifts and masks: any power of two from 16 up.
         if self.block_size is None:
             self.block_size = 256 if self.attention_backend == "flash_attn" else 16
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+                     "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.attention_backend == "flash_attn" and self.block_size % 256:
@@ -79,6 +82,18 @@ class Config:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        n, c = self.tensor_parallel_size, self.hf_config  # tensor parallelism: equal shares for every rank
+        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+            if getattr(c, name) % n:
+                raise ValueError(f"tensor_parallel_size ({n}) must divide {name} ({getattr(c, name)})")
+        if c.num_key_value_heads % n and n % c.num_key_value_heads:
+            raise ValueError(f"tensor_parallel_size ({n}) and num_key_value_heads ({c.num_key_value_heads}) "
+                             "must divide one another (fewer KV heads than ranks are replicated)")
+        if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
+        if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
+            raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
+                             "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(

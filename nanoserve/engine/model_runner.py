@@ -2,10 +2,12 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
+import torch.distributed as dist
 
 from nanoserve.config import Config
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.workers import Workers
 from nanoserve.layers.attention import (
     Attention,
     AttentionMetadata,
@@ -36,8 +38,21 @@ class ModelInput:
 class ModelRunner:
     """Owns the model and the KV cache; turns a scheduled batch into tensors, runs it, samples."""
 
-    def __init__(self, config: Config):
-        self.config = config
+    def __init__(self, config: Config, rank: int = 0):
+        self.config, self.rank = config, rank
+        self.workers: Workers | None = None  # set once every rank is ready; from then on each step goes to them
+        # Tensor parallelism: rank 0 starts ranks 1..N-1 (engine/workers.py), each of which builds this runner.
+        workers = Workers(config) if rank == 0 and config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config)
+        except BaseException:
+            if workers:
+                workers.shutdown()  # don't leave them waiting for a rank 0 that will never come
+            raise
+        self.workers = workers
+
+    def _build(self, config: Config) -> None:
+        """The model with this rank's weights, the KV cache (sized from memory), the CUDA graphs."""
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         if self.device.type == "cpu":
@@ -55,6 +70,10 @@ class ModelRunner:
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
+        if config.tensor_parallel_size > 1:  # every rank must hold the blocks rank 0's scheduler hands out
+            num_blocks = torch.tensor(self.num_kvcache_blocks, device=self.device)
+            dist.all_reduce(num_blocks, dist.ReduceOp.MIN)
+            self.num_kvcache_blocks = int(num_blocks)
         if self.num_kvcache_blocks < 1:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
@@ -99,11 +118,11 @@ class ModelRunner:
         shape = (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:])
         self.host_kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
 
-    def swap_blocks(self, out: SchedulerOutput) -> None:
+    def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
         """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the
         host pool, returning requests' KV back in."""
-        for mapping, src, dst in ((out.blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
-                                  (out.blocks_to_swap_in, self.host_kv_cache, self.kv_cache)):
+        for mapping, src, dst in ((blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
+                                  (blocks_to_swap_in, self.host_kv_cache, self.kv_cache)):
             if mapping:
                 src_ids, dst_ids = zip(*mapping)
                 dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
@@ -224,7 +243,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """Copy swapped blocks, fill in the placeholders, run the batch and sample: a token id per sequence that
         samples, as a device tensor (no wait for it here). Steps run one at a time, in planning order."""
-        self.swap_blocks(out)
+        self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in)
         prev, self.prev_sampled = self.prev_sampled, None
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
@@ -235,7 +254,9 @@ class ModelRunner:
         if rows:
             dst, src = zip(*rows)
             inputs.input_ids[self._tensor(dst, torch.int64)] = prev_tokens[self._tensor(src, torch.int64)]
-        logits = self.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        logits = self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        if logits is None:  # a tensor-parallel worker (in the CUDA warm-up): only rank 0 samples
+            return torch.empty(0, dtype=torch.int64)
         mask_rows, mask_ids = inputs.min_tokens_mask
         if mask_rows:
             logits[mask_rows, mask_ids] = float("-inf")
@@ -246,6 +267,19 @@ class ModelRunner:
     def run(self, out: SchedulerOutput) -> list[int]:
         """One synchronous step: prepare, execute, and wait for the sampled ids on the host."""
         return self.execute_model(out, self.prepare_inputs(out)).tolist()
+
+    def call(self, method: str, *args):
+        """self.method(*args); under tensor parallelism every worker first gets the same call, on its own slice."""
+        if self.workers is None:
+            return getattr(self, method)(*args)
+        return self.workers.call(self, method, args)
+
+    def parameter_shapes(self) -> list[dict[str, tuple[int, ...]]] | None:
+        """Every rank's parameter shapes, gathered on rank 0 (a debug call: `call("parameter_shapes")`)."""
+        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
+        gathered = [{} for _ in range(self.config.tensor_parallel_size)] if self.rank == 0 else None
+        dist.gather_object(shapes, gathered, dst=0)
+        return gathered
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -10,8 +10,9 @@ from transformers import PretrainedConfig
 
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionMetadata
+from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.layernorm import RMSNorm
-from nanoserve.layers.linear import MergedLinear
+from nanoserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, tp_rank_size
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
 
 
@@ -40,14 +41,15 @@ def rope_theta(config: PretrainedConfig) -> float:
 class DecoderAttention(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        tp_size = tp_rank_size()[1]  # tensor parallelism: each rank computes its share of the heads
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)  # fewer KV heads than ranks: replicated
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = getattr(config, "attention_bias", False)
-        self.qkv_proj = MergedLinear(config.hidden_size, [q_size, kv_size, kv_size],
-                                     bias=bias if variant.qkv_bias is None else variant.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=bias and variant.qkv_bias is None)
+        self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size],
+                                                   bias=bias if variant.qkv_bias is None else variant.qkv_bias)
+        self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias and variant.qkv_bias is None)
         self.rotary_emb = rotary_emb
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
         self.qk_norm = variant.qk_norm
@@ -70,8 +72,9 @@ class MLP(nn.Module):
     def __init__(self, config: PretrainedConfig):
         super().__init__()
         bias = getattr(config, "mlp_bias", False)
-        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        size = config.intermediate_size // tp_rank_size()[1]
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -100,7 +103,7 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: Variant):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
         self.layers = nn.ModuleList(
@@ -127,12 +130,12 @@ class Qwen3ForCausalLM(nn.Module):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
         self.model = Model(config, variant)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:  # small models share the input and output embedding
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # None: a tensor-parallel worker
         return self.lm_head(hidden_states)

@@ -5,8 +5,16 @@ from safetensors import safe_open
 from torch import nn
 
 
+def default_weight_loader(param: nn.Parameter, loaded) -> None:
+    param.data.copy_(loaded[:])
+
+
 def load_weights(model: nn.Module, path: str) -> None:
-    """Copy every tensor of a Hugging Face folder's *.safetensors into the model, fusing q/k/v and gate/up."""
+    """Copy every tensor of a Hugging Face folder's *.safetensors into the model, fusing q/k/v and gate/up.
+
+    A module with a `weight_loader` picks its part: its fused shard, and its rank's slice under tensor
+    parallelism. It gets a lazy safetensors slice: indexing it reads only those rows or columns from the file.
+    """
     files = glob.glob(os.path.join(path, "*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {path!r}")
@@ -17,12 +25,11 @@ def load_weights(model: nn.Module, path: str) -> None:
             for name in f.keys():
                 if tied and name.startswith("lm_head."):
                     continue  # the same tensor as embed_tokens
-                tensor = f.get_tensor(name)
-                for part, (fused, shard) in packed.items():
+                param_name, shard = name, ()
+                for part, (fused, index) in packed.items():
                     if f".{part}." in name:
-                        fused_name = name.replace(f".{part}.", f".{fused}.")
-                        module = model.get_submodule(fused_name.rsplit(".", 1)[0])
-                        module.load_shard(model.get_parameter(fused_name), tensor, shard)
+                        param_name, shard = name.replace(f".{part}.", f".{fused}."), (index,)
                         break
-                else:
-                    model.get_parameter(name).data.copy_(tensor)
+                module = model.get_submodule(param_name.rsplit(".", 1)[0])
+                weight_loader = getattr(module, "weight_loader", default_weight_loader)
+                weight_loader(model.get_parameter(param_name), f.get_slice(name), *shard)
