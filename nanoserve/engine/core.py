@@ -53,9 +53,8 @@ class EngineCore:
         # the batch queue holds the (plan, future) of the steps in flight, at most two.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
         self.executor = None
-        self.step_fn = self.step
         if config.async_scheduling:
-            self.batch_queue, self.step_fn = deque(), self.step_with_batch_queue
+            self.batch_queue = deque()
             self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -102,6 +101,11 @@ class EngineCore:
         return bool(self.requests or self.batch_queue)
 
     # ---- steps ------------------------------------------------------------------------------------
+    def step_fn(self) -> list[EngineCoreOutput]:
+        """The step the loops call (a method, not a stored bound method: that would keep the engine in a
+        reference cycle, and `del llm` would not free it, nor stop tensor-parallel workers, at once)."""
+        return self.step() if self.batch_queue is None else self.step_with_batch_queue()
+
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, take in its output: one step, the forward in between."""
         out = self.scheduler.schedule()
