@@ -17,6 +17,7 @@ does) to timestamp each request's tokens, and wraps `model_runner.run_model` to 
 """
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -435,11 +436,15 @@ def main(argv=None) -> dict:
                 path, args, prompts, output_lens, args.dtypes[0], enable_prefix_caching=False)
             ratios["prefix cache on / off"] = on["tokens_per_s"] / off["tokens_per_s"]
         else:
-            # Peers first: nanoserve's start-up tunes the process's allocator (keep_freed_memory),
-            # which transformers as a user runs it does not get.
-            peers = {name: PEERS[name](path, args, prompts, output_lens) for name in args.peers}
+            # transformers first: nanoserve's start-up tunes the process's allocator (keep_freed_memory),
+            # which transformers as a user runs it does not get. llama.cpp allocates its own buffers once.
+            peers = {name: PEERS[name](path, args, prompts, output_lens) for name in args.peers if name != "llama.cpp"}
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
+            if "llama.cpp" in args.peers and importlib.util.find_spec("llama_cpp") is None:  # an optional peer
+                print("llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python)")
+            elif "llama.cpp" in args.peers:
+                peers["llama.cpp"] = bench_llama_cpp(args, prompts, output_lens)
             nano = results[nanoserve_name(args.dtypes[0], args)]
             fastest = max(results, key=lambda name: results[name]["tokens_per_s"])
             for name, r in peers.items():
