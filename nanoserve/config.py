@@ -27,6 +27,7 @@ class Config:
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
+    trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     use_flash_attn: bool = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)

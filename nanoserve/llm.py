@@ -9,6 +9,7 @@ from nanoserve.config import Config
 from nanoserve.engine.llm_engine import LLMEngine
 from nanoserve.engine.scheduler import SchedulerStats
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.trace import StepRecord
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.default_model import resolve_model
@@ -33,6 +34,11 @@ class LLM:
     @property
     def stats(self) -> SchedulerStats:
         return self.engine.scheduler.stats
+
+    @property
+    def trace(self) -> list[StepRecord] | None:
+        """With LLM(..., trace=True): one StepRecord per engine step so far; else None."""
+        return self.engine.trace
 
     def _token_ids(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, dict):

@@ -5,6 +5,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.trace import StepRecord, begin_step_record, end_step_record
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -21,6 +22,7 @@ class LLMEngine:
             swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(config, self.block_manager, swap_pool)
         self.seq_ids = count()
+        self.trace: list[StepRecord] | None = [] if config.trace else None
 
     def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
         """Reject what could never run, before any work starts, instead of failing or looping later."""
@@ -46,8 +48,12 @@ class LLMEngine:
     def step(self) -> tuple[list[Sequence], int, bool]:
         """One forward pass. Returns (sequences that finished, tokens computed, was it a prefill)."""
         out = self.scheduler.schedule()
+        record = self.trace is not None and begin_step_record(len(self.trace), out, self.scheduler)
         token_ids = self.model_runner.run(out)  # also when nobody runs: swapped-out blocks must be copied
-        return self.scheduler.postprocess(out, token_ids), sum(out.num_scheduled_tokens), out.is_prefill
+        finished = self.scheduler.postprocess(out, token_ids)
+        if record:
+            self.trace.append(end_step_record(record, finished, self.scheduler))
+        return finished, sum(out.num_scheduled_tokens), out.is_prefill
 
     def abort(self, seqs: list[Sequence]) -> None:
         for seq in seqs:
