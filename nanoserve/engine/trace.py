@@ -4,7 +4,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-from nanoserve.engine.sequence import SequenceStatus
+from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
@@ -26,7 +26,7 @@ class StepRecord:
     swapped_in: list[int]  # KV copied back from host memory
     num_scheduled_tokens: int
     token_budget: int  # max_num_batched_tokens
-    time: float  # perf_counter() at the plan; end_step_record turns it into the step's seconds
+    time: float  # seconds from the plan to the end of postprocess (perf_counter() at the plan until then)
     finished: list[int] = field(default_factory=list)
     waiting: list[int] = field(default_factory=list)  # queues after the step, as request ids
     running: list[int] = field(default_factory=list)
@@ -52,7 +52,7 @@ def begin_step_record(step: int, out: SchedulerOutput, scheduler: Scheduler) -> 
                       sum(out.num_scheduled_tokens), scheduler.max_num_batched_tokens, perf_counter())
 
 
-def end_step_record(record: StepRecord, finished: list, scheduler: Scheduler) -> StepRecord:
+def end_step_record(record: StepRecord, finished: list[Sequence], scheduler: Scheduler) -> StepRecord:
     """What the step left behind: who finished, the queues, the KV pool."""
     record.time = perf_counter() - record.time
     record.finished = [seq.seq_id for seq in finished]
