@@ -1,12 +1,13 @@
 """Every combination of the scheduling options changes the batches, never the output: greedy output equals
-transformers, with a KV pool small enough that preemption (and swapping) really happens."""
+transformers, with a KV pool small enough that preemption (and swapping) really happens, with and without
+async scheduling (step N+1 planned while step N runs)."""
 import random
 
 import pytest
 
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.core import EngineCore
 
 MAX_TOKENS = 24
 BLOCK_SIZE = 4
@@ -26,16 +27,18 @@ def requests(use_priority: bool) -> list[Request]:
     return [(0 if i < 3 else 3, prompt, params, int(use_priority and i < 3)) for i, prompt in enumerate(prompts)]
 
 
-def run(engine: LLMEngine, reqs: list[Request]) -> list[list[int]]:
+def run(engine: EngineCore, reqs: list[Request]) -> list[list[int]]:
     """Step the engine, adding each request at its arrival step; returns the completions in request order."""
-    pending, seqs, step = sorted(range(len(reqs)), key=lambda i: reqs[i][0]), {}, 0
-    while pending or not engine.is_finished():
+    pending, completions, step = sorted(range(len(reqs)), key=lambda i: reqs[i][0]), {}, 0
+    while pending or engine.has_unfinished_requests():
         while pending and reqs[pending[0]][0] <= step:
             i = pending.pop(0)
-            seqs[i] = engine.add_request(*reqs[i][1:])
-        engine.step()
+            engine.add_request(str(i), *reqs[i][1:])
+            completions[str(i)] = []
+        for out in engine.step_fn():
+            completions[out.request_id] += out.new_token_ids
         step += 1
-    return [seqs[i].completion_token_ids for i in range(len(reqs))]
+    return [completions[str(i)] for i in range(len(reqs))]
 
 
 @pytest.fixture(scope="module")
@@ -44,15 +47,17 @@ def expected(tiny_models):
     return {arch: hf_greedy(tiny_models[arch], prompts, MAX_TOKENS) for arch in ARCHS}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunked, policy, mode", COMBOS)
-def test_every_combination_equals_transformers(tiny_models, expected, chunked, policy, mode, prefix_caching):
+def test_every_combination_equals_transformers(tiny_models, expected, chunked, policy, mode, prefix_caching,
+                                               async_scheduling):
     arch = ARCHS[COMBOS.index((chunked, policy, mode)) % len(ARCHS)]
     # 16 blocks of 4 tokens: the longest request (62 tokens) fits alone, the six together do not.
     llm = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_model_len=64,
               max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked,
               scheduling_policy=policy, preemption_mode=mode, swap_space=24 * BLOCK_BYTES / 2**30,
-              enable_prefix_caching=prefix_caching)
+              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
     assert run(llm.engine, requests(policy == "priority")) == expected[arch]
     stats = llm.stats
     assert stats.num_preemptions > 0
@@ -73,7 +78,8 @@ def test_every_combination_equals_transformers(tiny_models, expected, chunked, p
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_equals_an_unconstrained_pool(tiny_models, seed):
-    """Random options, arrivals, lengths, priorities and pool sizes against one roomy default engine."""
+    """Random options, arrivals, lengths, priorities and pool sizes against one roomy default engine
+    (odd seeds schedule asynchronously)."""
     rng = random.Random(seed)
     arch = ARCHS[seed % len(ARCHS)]
     chunked, policy = rng.random() < 0.5, rng.choice(["fcfs", "priority"])
@@ -86,7 +92,7 @@ def test_random_traffic_equals_an_unconstrained_pool(tiny_models, seed):
               max_model_len=64, max_num_batched_tokens=rng.randint(4, 32) if chunked else 64,
               enable_chunked_prefill=chunked, scheduling_policy=policy,
               preemption_mode=rng.choice(["recompute", "swap"]), enable_prefix_caching=rng.random() < 0.5,
-              swap_space=rng.randint(1, 2 * largest) * BLOCK_BYTES / 2**30)
+              swap_space=rng.randint(1, 2 * largest) * BLOCK_BYTES / 2**30, async_scheduling=seed % 2 == 1)
     roomy = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=64)
     assert run(llm.engine, reqs) == run(roomy.engine, [(t, p, sp, 0) for t, p, sp, _ in reqs])
     assert llm.stats.num_preemptions > 0 and roomy.stats.num_preemptions == 0

@@ -101,7 +101,7 @@ def test_trace_is_off_by_default_and_spans_generate_calls(tiny_models):
     llm.generate([[5, 6, 7]], params, use_tqdm=False)
     llm.generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)  # hits the first prompt's... nothing: 4-token blocks
     assert [rec.step for rec in llm.trace] == list(range(6)) == list(range(llm.stats.num_steps))
-    assert all(rec.time > 0 for rec in llm.trace)
+    assert all(a.time < b.time for a, b in zip(llm.trace, llm.trace[1:]))
 
 
 def png_size(path) -> tuple[int, int]:
@@ -129,3 +129,20 @@ def test_command_writes_table_and_pictures(tiny_models, tmp_path, capsys):
     assert table.splitlines()[1].startswith("   0  prefill  R1:3 R2:5 R3:2*") and len(table.splitlines()) == 13
     assert table in capsys.readouterr().out
     assert all(png_size(tmp_path / f"chunked_{picture}.png") for picture in ("timeline", "kv"))
+
+
+def test_trace_under_async_scheduling(tiny_models):
+    """With the batch queue a record is taken when its step's output comes in, after the next step was planned
+    (its queues may already show that plan's preemptions), and a step may sample a token for a request that
+    finished while it was in flight (the token is dropped): still one record per step, agreeing with stats."""
+    llm = LLM(tiny_models["qwen3"], trace=True, async_scheduling=True, num_kvcache_blocks=6, block_size=4,
+              enable_chunked_prefill=True, max_num_batched_tokens=10, max_model_len=64)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=6)
+    llm.generate([[10 + 20 * i + j for j in range(n)] for i, n in enumerate((3, 5, 12))], params, use_tqdm=False)
+    trace, stats = llm.trace, llm.stats
+    assert len(trace) == stats.num_steps and stats.num_preemptions > 0
+    assert sum(len(r.recomputed) + len(r.swapped_out) for r in trace) == stats.num_preemptions
+    assert sum(not r.sampled for rec in trace for r in rec.scheduled) == stats.num_chunked_prefills
+    assert sum(r.sampled for rec in trace for r in rec.scheduled) >= stats.num_generated_tokens == 18
+    assert sorted(i for rec in trace for i in rec.finished) == [0, 1, 2]
+    assert all(len(row) == len(llm.trace) for row in request_states(llm.trace).values())

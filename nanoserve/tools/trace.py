@@ -91,18 +91,20 @@ def token_labels(trace: list[StepRecord]) -> list[dict[int, str]]:
 def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -> str:
     """The articles' step table: who ran and how many tokens each (* = a chunk that sampled nothing,
     @N = started at position N, the tokens before came from the prefix cache), what happened to whom,
-    the queues (waiting/running/swapped), the KV blocks (used/free-but-cached/free) after the step."""
+    the queues (waiting/running/swapped), the KV blocks (used/free-but-cached/free) after the step, and the
+    milliseconds since the step before (in a busy engine: the step's time)."""
     names = names or default_names(trace)
     lines = [f"{'step':>4}  {'kind':<7}  {'batch':<30}  {'events':<26}  {'w/r/s':<8}  {'blocks u/c/f':<12}  "
              f"{'tokens/budget':<13}  {'ms':>6}"]
-    for rec, labels in zip(trace, token_labels(trace)):
+    for rec, prev, labels in zip(trace, [None, *trace], token_labels(trace)):
         batch = [f"{names[rid]}:{label}" for rid, label in labels.items()]
         events = [f"{' '.join(names[i] for i in ids)} {what}" for what, ids in (("preempted", rec.recomputed),
                   ("swapped out", rec.swapped_out), ("swapped in", rec.swapped_in), ("finished", rec.finished)) if ids]
         queues = f"{len(rec.waiting)}/{len(rec.running)}/{len(rec.swapped)}"
         blocks = f"{rec.num_used_blocks}/{rec.num_cached_blocks}/{rec.num_free_blocks}"
+        ms = "-" if prev is None else f"{(rec.time - prev.time) * 1e3:.1f}"  # since the step before
         lines.append(f"{rec.step:>4}  {rec.kind:<7}  {' '.join(batch):<30}  {', '.join(events):<26}  {queues:<8}  "
-                     f"{blocks:<12}  {f'{rec.num_scheduled_tokens}/{rec.token_budget}':<13}  {rec.time * 1e3:>6.1f}")
+                     f"{blocks:<12}  {f'{rec.num_scheduled_tokens}/{rec.token_budget}':<13}  {ms:>6}")
     return "\n".join(lines)
 
 
@@ -241,13 +243,14 @@ def run_scenario(name: str, model: str | None = None,
     vocab = min(llm.engine.config.hf_config.vocab_size, 1000)
     system_prompt = [rng.randrange(3, vocab) for _ in range(32)]
     pending, names = list(scenario.requests), {}
-    while pending or not llm.engine.is_finished():
-        while pending and (pending[0].arrival <= len(llm.trace) or llm.engine.is_finished()):
+    while pending or llm.engine.has_unfinished_requests():
+        while pending and (pending[0].arrival <= len(llm.trace) or not llm.engine.has_unfinished_requests()):
             r = pending.pop(0)
             prompt = system_prompt[:r.shared_prefix] + [rng.randrange(3, vocab) for _ in
                                                          range(r.prompt_len - r.shared_prefix)]
             params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-            names[llm.engine.add_request(prompt, params, r.priority).seq_id] = r.name
+            llm.engine.add_request(r.name, prompt, params, r.priority)
+            names[len(names)] = r.name  # a fresh engine numbers its sequences 0, 1, 2... in arrival order
         llm.engine.step()
         if on_step:
             on_step(llm)
