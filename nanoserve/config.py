@@ -49,6 +49,7 @@ class Config:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
+    trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)
 

@@ -8,6 +8,7 @@ from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import SchedulerStats
+from nanoserve.engine.trace import StepRecord
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.utils.default_model import resolve_model
@@ -54,6 +55,11 @@ class LLM:
     @property
     def stats(self) -> SchedulerStats:
         return self.engine.scheduler.stats
+
+    @property
+    def trace(self) -> list[StepRecord] | None:
+        """With LLM(..., trace=True): one StepRecord per engine step so far; else None."""
+        return self.engine.trace
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:

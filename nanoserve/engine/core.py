@@ -13,6 +13,7 @@ from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -49,6 +50,7 @@ class EngineCore:
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
         self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
         self.seq_ids = count()
+        self.trace: list[StepRecord] | None = [] if config.trace else None
         # Async scheduling: the forwards run one after another in one executor thread, in planning order;
         # the batch queue holds the (plan, future) of the steps in flight, at most two.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
@@ -136,8 +138,8 @@ class EngineCore:
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
         """Append the sampled tokens, detokenize, look for stop strings, finish requests."""
-        outputs = []
-        for seq in self.scheduler.postprocess(out, token_ids):
+        outputs, updated = [], self.scheduler.postprocess(out, token_ids)
+        for seq in updated:
             token_id, params = seq.token_ids[-1], seq.sampling_params
             stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
             _, detokenizer = self.requests[seq.request_id]
@@ -152,6 +154,8 @@ class EngineCore:
                 del self.requests[seq.request_id]
             outputs.append(EngineCoreOutput(seq.request_id, [token_id], new_text, seq.is_finished,
                                             seq.finish_reason, stop_reason, seq.num_cached_tokens))
+        if self.trace is not None:  # LLM(..., trace=True): nanoserve/tools/trace.py prints and plots it
+            self.trace.append(record_step(len(self.trace), out, updated, self.scheduler))
         return outputs
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> list[EngineCoreOutput]:
