@@ -83,11 +83,11 @@ class LLM:
     def _output(self, prompt: Prompt, seq: Sequence) -> RequestOutput:
         ids = seq.completion_token_ids
         text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        completion = CompletionOutput(0, text, ids, seq.finish_reason)
+        completion = CompletionOutput(0, text, ids, seq.finish_reason, seq.logprobs)
         text_prompt = prompt.get("prompt") if isinstance(prompt, dict) else prompt
         text_prompt = text_prompt if isinstance(text_prompt, str) else None
         return RequestOutput(str(seq.seq_id), text_prompt, seq.prompt_token_ids,
-                             seq.num_cached_tokens, [completion])
+                             seq.num_cached_tokens, [completion], prompt_logprobs=seq.prompt_logprobs)
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

@@ -8,10 +8,16 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request seed: the same seed gives the same sample
+    logprobs: int | None = None  # per generated token: its logprob and the `logprobs` most likely ones
+    prompt_logprobs: int | None = None  # the same for each prompt token (the prefix cache is skipped)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -20,5 +26,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        for name, low, high in (("min_p", 0, 1), ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {getattr(self, name)}")

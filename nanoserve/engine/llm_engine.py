@@ -32,6 +32,10 @@ class LLMEngine:
         if len(token_ids) + params.max_tokens > max_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({max_len})")
+        vocab_size = self.config.hf_config.vocab_size
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab_size:
+                raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
         num_blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "

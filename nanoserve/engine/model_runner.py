@@ -11,8 +11,9 @@ from nanoserve.layers.attention import (
     flash_paged_attention,
     torch_paged_attention,
 )
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import build_model
+from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.loader import load_weights
 from nanoserve.utils.memory import keep_freed_memory
@@ -85,9 +86,10 @@ class ModelRunner:
 
     def swap_blocks(self, out: SchedulerOutput) -> None:
         """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the
-        host pool, returning requests' KV back in."""
+        host pool, returning requests' KV back in, then copy-on-write copies inside the device pool."""
         for mapping, src, dst in ((out.blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
-                                  (out.blocks_to_swap_in, self.host_kv_cache, self.kv_cache)):
+                                  (out.blocks_to_swap_in, self.host_kv_cache, self.kv_cache),
+                                  (out.blocks_to_copy, self.kv_cache, self.kv_cache)):
             if mapping:
                 src_ids, dst_ids = zip(*mapping)
                 dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
@@ -162,12 +164,52 @@ class ModelRunner:
     def prepare_sample(self, seqs: list[Sequence]) -> dict:
         vocab_size = self.config.hf_config.vocab_size
         params = [seq.sampling_params for seq in seqs]
-        return dict(
+        sample = dict(
             temperatures=self._tensor([p.temperature for p in params], torch.float32),
             top_ks=self._tensor([vocab_size if p.top_k == -1 else p.top_k for p in params], torch.int64),
             top_ps=self._tensor([p.top_p for p in params], torch.float32),
+            min_ps=self._tensor([p.min_p for p in params], torch.float32),
             generators=[seq.generator for seq in seqs],
         )
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
+            sample["penalties"] = dict(
+                prompt_token_ids=self._padded([seq.prompt_token_ids for seq in seqs], vocab_size),
+                output_token_ids=self._padded([seq.completion_token_ids for seq in seqs], vocab_size),
+                presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
+                frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
+                repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
+        return sample
+
+    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
+        width = max(map(len, rows))
+        return self._tensor([row + [pad] * (width - len(row)) for row in rows], torch.int64)
+
+    def prepare_prompt_logprobs(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of
+        position p scores token p + 1), and where each result goes: (sequence, p + 1)."""
+        rows, places, offset = [], [], 0
+        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
+            start = seq.num_computed_tokens
+            if seq.prompt_logprobs is not None:
+                end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+                rows += range(offset, offset + end - start)
+                places += [(seq, p + 1) for p in range(start, end)]
+            offset += num_tokens
+        return rows, places
+
+    def record_logprobs(self, logits: torch.Tensor, token_ids: list[int], places: list[tuple]) -> None:
+        """Score token_ids[i] under logits[i], with the top k: appended to seq.logprobs for a place (seq, None),
+        stored in seq.prompt_logprobs[p] for a place (seq, p)."""
+        ks = [seq.sampling_params.logprobs if p is None else seq.sampling_params.prompt_logprobs for seq, p in places]
+        scores = compute_logprobs(logits, self._tensor(token_ids, torch.int64), max(ks))
+        for (seq, p), k, token_id, lp, rank, top_ids, top_lps in zip(places, ks, token_ids,
+                                                                    *(t.tolist() for t in scores)):
+            d = {i: Logprob(x, r) for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k]), 1)}
+            d[token_id] = Logprob(lp, rank)
+            if p is None:
+                seq.logprobs.append(d)
+            else:
+                seq.prompt_logprobs[p] = d
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -187,9 +229,17 @@ class ModelRunner:
         if not out.seqs:  # everyone was preempted this step
             return []
         input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
-        logits = self.run_model(input_ids, positions, meta, logits_rows)
+        prompt_rows, prompt_places = self.prepare_prompt_logprobs(out)
+        logits = self.run_model(input_ids, positions, meta,
+                                torch.cat([logits_rows, self._tensor(prompt_rows, torch.int64)]))
         sampling = [seq for seq, do_sample in zip(out.seqs, out.do_sample) if do_sample]
-        return self.sampler(logits, **self.prepare_sample(sampling)).tolist()
+        token_ids = self.sampler(logits[: len(sampling)], **self.prepare_sample(sampling)).tolist()
+        scored = [i for i, seq in enumerate(sampling) if seq.logprobs is not None]
+        if scored or prompt_rows:  # logprobs of the sampled tokens, then of the prompt tokens, from the raw logits
+            self.record_logprobs(logits[scored + list(range(len(sampling), len(logits)))],
+                                 [token_ids[i] for i in scored] + [seq.token_ids[p] for seq, p in prompt_places],
+                                 [(sampling[i], None) for i in scored] + prompt_places)
+        return token_ids
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -29,8 +29,9 @@ class SchedulerOutput:
     """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
 
     seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens on; it samples a next
-    token only if that reaches its end (do_sample). The swap copies run before the forward. A step never has both
-    kinds (swap-ins wait for a step that preempted nobody), so the order of the copies does not matter.
+    token only if that reaches its end (do_sample). The block copies run before the forward, swap-outs first
+    (a block they free may be a copy's destination). A step never swaps both ways (swap-ins wait for a step
+    that preempted nobody), and a sequence that got a copy this step is never preempted in it.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -38,6 +39,7 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
@@ -103,7 +105,7 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-        self.block_manager.may_append(seq)  # a new block for its newest token, if that needs one
+        out.blocks_to_copy += self.block_manager.may_append(seq)  # a new block for its newest token, if needed
         out.add(seq, num_tokens)
         return num_tokens
 
@@ -122,11 +124,13 @@ class Scheduler:
         num_batched_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if num_batched_tokens + len(seq) > self.max_num_batched_tokens:
+            # The budget counts the tokens the step computes: a cached prefix costs none.
+            num_new_tokens = self.block_manager.num_new_tokens(seq)
+            if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens:
                 break
             if not self.block_manager.allocate(seq):
                 break
-            num_batched_tokens += len(seq) - seq.num_cached_tokens
+            num_batched_tokens += num_new_tokens
             self._admit(seq)
             out.add(seq, len(seq) - seq.num_computed_tokens)
 
@@ -143,7 +147,7 @@ class Scheduler:
                     self.preempt(seq, out)  # nobody else to take from: seq waits for memory itself
                     break
             else:
-                self.block_manager.may_append(seq)
+                out.blocks_to_copy += self.block_manager.may_append(seq)
                 scheduled.append(seq)
                 out.add(seq, 1)
         # Keep the order for the next step: scheduled ones first, then those over max_num_seqs.
@@ -201,14 +205,14 @@ class Scheduler:
             queue.append(seq)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """While the most urgent waiting request cannot get its blocks, running requests of lower priority
-        give theirs up, least urgent first. They recompute rather than swap: swapped requests come back
-        before new ones are admitted, so a swapped victim would take its blocks straight back."""
+        """While the most urgent waiting request lacks its blocks or a seat (max_num_seqs), running requests
+        of lower priority give theirs up, least urgent first. They recompute rather than swap: swapped
+        requests come back before new ones are admitted, so a swapped victim would take its blocks back."""
         if not self.waiting or self.swapped:
             return
         seq = self.waiting[0]
         while (self.running and priority_key(self.running[-1]) > priority_key(seq)
-               and not self.block_manager.can_allocate(seq)):
+               and (len(self.running) >= self.max_num_seqs or not self.block_manager.can_allocate(seq))):
             self.preempt(self.running.pop(), out, swap=False)
             self.stats.num_priority_preemptions += 1
 

@@ -2,6 +2,7 @@ from enum import Enum, auto
 
 import torch
 
+from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -30,6 +31,10 @@ class Sequence:
         self.finish_reason: str | None = None
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        # Filled by the model runner when asked for: one dict per generated token, one per prompt token.
+        self.logprobs: list[dict[int, Logprob]] | None = None if sampling_params.logprobs is None else []
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
         return len(self.token_ids)
