@@ -1,4 +1,13 @@
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What each streamed RequestOutput carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # the new text and token ids since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -18,6 +27,10 @@ class SamplingParams:
     seed: int | None = None  # per-request seed: the same seed gives the same sample
     logprobs: int | None = None  # per generated token: its logprob and the `logprobs` most likely ones
     prompt_logprobs: int | None = None  # the same for each prompt token (the prefix cache is skipped)
+    stop: str | list[str] | None = None  # stop when the text contains one (finish_reason "stop")
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -36,3 +49,8 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"{name} must be None or >= 0, got {getattr(self, name)}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if "" in self.stop:
+            raise ValueError("stop: an empty string would stop at once")

@@ -1,3 +1,4 @@
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -17,6 +18,22 @@ from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.loader import load_weights
 from nanoserve.utils.memory import keep_freed_memory
+
+
+@dataclass
+class ModelInput:
+    """One step's batch as tensors, built on the host (with async scheduling, while the step before runs)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # the rows a next token is sampled from
+    sampling: dict  # prepare_sample's arguments for the sampler
+    min_tokens_mask: tuple[list[int], list[int]]  # (rows, token ids) whose logits are set to -inf
+    sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
+    placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
+    placeholder_seq_ids: list[int]  # ...for these sequences
+    logprobs: list[tuple[Sequence, int | None, int]]  # logits rows to score (see record_logprobs)
 
 
 class ModelRunner:
@@ -52,6 +69,8 @@ class ModelRunner:
         if config.preemption_mode == "swap":
             self._allocate_host_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
+        self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         # Only flash-attn's decode is capturable: the PyTorch path plans each batch on the host.
         if self.use_flash_attn and not config.enforce_eager:
             self._capture_cudagraphs()
@@ -108,10 +127,12 @@ class ModelRunner:
         seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
         # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
         num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        out = SchedulerOutput()
         for i, seq in enumerate(seqs):
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             seq.num_computed_tokens = cfg.max_model_len - num_tokens
-        self.run(SchedulerOutput(seqs, [num_tokens] * num_seqs))
+            out.add(seq, num_tokens)
+        self.run(out)
         torch.cuda.synchronize()
         del self.kv_cache
         for layer in self.attn_layers:
@@ -124,16 +145,23 @@ class ModelRunner:
         return int(available) // self._block_bytes() - 1  # minus the scratch block
 
     # ---- one step ---------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                            torch.Tensor]:
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
         the rows whose logits are needed: the last one of each sequence that samples."""
+        if not out.seqs:  # everyone was preempted this step
+            return None
         input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows = [], [], [], [], [], []
+        placeholder_rows, placeholder_seq_ids = [], []
         bs = self.block_size
         seqs = out.seqs
-        for seq, num_tokens, do_sample in zip(seqs, out.num_scheduled_tokens, out.do_sample):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        for seq, start, num_tokens, do_sample in zip(seqs, out.num_computed_tokens, out.num_scheduled_tokens,
+                                                     out.do_sample):
+            end = start + num_tokens
             input_ids.extend(seq.token_ids[start:end])
+            if end > len(seq.token_ids):  # async scheduling: its last token is a placeholder (filled in later)
+                placeholder_rows.append(len(input_ids))
+                placeholder_seq_ids.append(seq.seq_id)
+                input_ids.append(0)
             positions.extend(range(start, end))
             q_lens.append(end - start)
             context_lens.append(end)
@@ -154,8 +182,15 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(context_lens),
         )
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                self._tensor(logits_rows, torch.int64))
+        sampling = [seq for seq, do_sample in zip(seqs, out.do_sample) if do_sample]
+        # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
+        logprobs = [(seq, None, row) for row, seq in enumerate(sampling) if seq.logprobs is not None]
+        prompt_rows, prompt_places = self.prepare_prompt_logprobs(out)
+        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(sampling))]
+        return ModelInput(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                          self._tensor(logits_rows + prompt_rows, torch.int64), self.prepare_sample(sampling),
+                          self._min_tokens_mask(sampling),
+                          [seq.seq_id for seq in sampling], placeholder_rows, placeholder_seq_ids, logprobs)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned host memory lets the copy overlap with GPU work
@@ -174,7 +209,8 @@ class ModelRunner:
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
             sample["penalties"] = dict(
                 prompt_token_ids=self._padded([seq.prompt_token_ids for seq in seqs], vocab_size),
-                output_token_ids=self._padded([seq.completion_token_ids for seq in seqs], vocab_size),
+                output_token_ids=self._padded([seq.completion_token_ids + [-1] * (seq.num_output_placeholders - 1)
+                                               for seq in seqs], vocab_size),
                 presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
                 frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
                 repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
@@ -188,8 +224,7 @@ class ModelRunner:
         """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of
         position p scores token p + 1), and where each result goes: (sequence, p + 1)."""
         rows, places, offset = [], [], 0
-        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
-            start = seq.num_computed_tokens
+        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             if seq.prompt_logprobs is not None:
                 end = min(start + num_tokens, seq.num_prompt_tokens - 1)
                 rows += range(offset, offset + end - start)
@@ -197,19 +232,32 @@ class ModelRunner:
             offset += num_tokens
         return rows, places
 
-    def record_logprobs(self, logits: torch.Tensor, token_ids: list[int], places: list[tuple]) -> None:
-        """Score token_ids[i] under logits[i], with the top k: appended to seq.logprobs for a place (seq, None),
-        stored in seq.prompt_logprobs[p] for a place (seq, p)."""
-        ks = [seq.sampling_params.logprobs if p is None else seq.sampling_params.prompt_logprobs for seq, p in places]
-        scores = compute_logprobs(logits, self._tensor(token_ids, torch.int64), max(ks))
-        for (seq, p), k, token_id, lp, rank, top_ids, top_lps in zip(places, ks, token_ids,
-                                                                    *(t.tolist() for t in scores)):
+    def record_logprobs(self, logits: torch.Tensor, sampled: list[int], places: list[tuple]) -> None:
+        """For each (seq, p, row): score a token under logits[row], with the top k. p None: the token sampled
+        from that row, appended to seq.logprobs; else prompt token p, stored in seq.prompt_logprobs[p]."""
+        token_ids = [sampled[row] if p is None else seq.token_ids[p] for seq, p, row in places]
+        ks = [s.sampling_params.logprobs if p is None else s.sampling_params.prompt_logprobs for s, p, _ in places]
+        scores = compute_logprobs(logits[[row for *_, row in places]], self._tensor(token_ids, torch.int64), max(ks))
+        for (seq, p, _), k, token_id, lp, rank, top_ids, top_lps in zip(places, ks, token_ids,
+                                                                       *(t.tolist() for t in scores)):
             d = {i: Logprob(x, r) for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k]), 1)}
             d[token_id] = Logprob(lp, rank)
             if p is None:
                 seq.logprobs.append(d)
             else:
                 seq.prompt_logprobs[p] = d
+
+    def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(row, token) pairs to mask: EOS and the stop tokens, for a request that has fewer than min_tokens
+        output tokens before this one (vLLM's MinTokensLogitsProcessor)."""
+        rows, token_ids = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if seq.num_completion_tokens + seq.num_output_placeholders - 1 < p.min_tokens:
+                stop_ids = p.stop_token_ids + ([] if p.ignore_eos else self.config.eos_token_ids)
+                rows += [row] * len(stop_ids)
+                token_ids += stop_ids
+        return rows, token_ids
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -223,23 +271,40 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_rows])
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[int]:
-        """Copy swapped blocks, then run the batch; returns a token for each sequence that samples."""
+    def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
+        """Copy swapped blocks, fill in the placeholders, run the batch and sample: a token id per sequence that
+        samples, as a device tensor (no wait for it here). Steps run one at a time, in planning order."""
         self.swap_blocks(out)
-        if not out.seqs:  # everyone was preempted this step
-            return []
-        input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
-        prompt_rows, prompt_places = self.prepare_prompt_logprobs(out)
-        logits = self.run_model(input_ids, positions, meta,
-                                torch.cat([logits_rows, self._tensor(prompt_rows, torch.int64)]))
-        sampling = [seq for seq, do_sample in zip(out.seqs, out.do_sample) if do_sample]
-        token_ids = self.sampler(logits[: len(sampling)], **self.prepare_sample(sampling)).tolist()
-        scored = [i for i, seq in enumerate(sampling) if seq.logprobs is not None]
-        if scored or prompt_rows:  # logprobs of the sampled tokens, then of the prompt tokens, from the raw logits
-            self.record_logprobs(logits[scored + list(range(len(sampling), len(logits)))],
-                                 [token_ids[i] for i in scored] + [seq.token_ids[p] for seq, p in prompt_places],
-                                 [(sampling[i], None) for i in scored] + prompt_places)
-        return token_ids
+        prev, self.prev_sampled = self.prev_sampled, None
+        if inputs is None:
+            return torch.empty(0, dtype=torch.int64)
+        prev_rows, prev_tokens = prev or ({}, None)
+        # A placeholder the previous step has no token for: that step failed, and so did the request.
+        rows = [(row, prev_rows[i]) for row, i in zip(inputs.placeholder_rows, inputs.placeholder_seq_ids)
+                if i in prev_rows]
+        if rows:
+            dst, src = zip(*rows)
+            inputs.input_ids[self._tensor(dst, torch.int64)] = prev_tokens[self._tensor(src, torch.int64)]
+        logits = self.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        sample_logits = logits[: len(inputs.sample_seq_ids)]
+        mask_rows, mask_ids = inputs.min_tokens_mask
+        if mask_rows:  # (on a copy: logprobs are of the raw logits)
+            sample_logits = sample_logits.index_put((self._tensor(mask_rows, torch.int64),
+                                                     self._tensor(mask_ids, torch.int64)), torch.tensor(float("-inf")))
+        penalties = inputs.sampling.get("penalties")
+        if penalties is not None:  # the token the step before was sampling (-1 in the plan) is output too
+            newest = inputs.input_ids[inputs.logits_rows[: len(sample_logits)]]
+            penalties["output_token_ids"] = torch.where(penalties["output_token_ids"] == -1, newest[:, None],
+                                                        penalties["output_token_ids"])
+        sampled = self.sampler(sample_logits, **inputs.sampling)
+        self.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
+        if inputs.logprobs:
+            self.record_logprobs(logits, sampled.tolist(), inputs.logprobs)
+        return sampled
+
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """One synchronous step: prepare, execute, and wait for the sampled ids on the host."""
+        return self.execute_model(out, self.prepare_inputs(out)).tolist()
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()
