@@ -14,6 +14,7 @@ class RequestOutputKind(Enum):
 class SamplingParams:
     """How to pick each next token and when to stop, as in vLLM."""
 
+    n: int = 1  # sequences sampled for the prompt; with a seed, sequence i draws with seed + i
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
@@ -33,6 +34,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

@@ -33,7 +33,7 @@ def add(scheduler: Scheduler, seq_id: int, num_tokens: int, priority: int = 0, *
 def step(scheduler: Scheduler) -> SchedulerOutput:
     """One engine step: every sequence that reaches its end samples TOKEN."""
     out = scheduler.schedule()
-    scheduler.postprocess(out, [TOKEN] * sum(out.do_sample))
+    scheduler.postprocess(out, [TOKEN] * (sum(out.do_sample) + sum(map(len, out.forks))))  # n > 1: forks too
     return out
 
 

@@ -118,18 +118,18 @@ class BlockManager:
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
-    def _needs_block(self, seq: Sequence) -> bool:
+    def needs_block(self, seq: Sequence) -> bool:
         """Does seq's newest token need a new block: its last one is full, or shared (copy-on-write)?"""
         return len(seq.block_table) < seq.num_blocks or self.blocks[seq.block_table[-1]].ref_count > 1
 
     def can_append(self, seq: Sequence) -> bool:
         """Can seq's newest token get a slot?"""
-        return not self._needs_block(seq) or self.num_free_blocks > 0
+        return not self.needs_block(seq) or self.num_free_blocks > 0
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         """Reserve a slot for the token this step computes (call only after can_append). Returns the
         (source, destination) block pair to copy first when the last block was shared, else []."""
-        if not self._needs_block(seq):
+        if not self.needs_block(seq):
             return []
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_new_block())
@@ -161,24 +161,35 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # ---- swapping (preemption_mode="swap"): `host` is a second pool, of blocks in host memory ------
-    def swap_out(self, seq: Sequence, host: "BlockManager") -> list[tuple[int, int]]:
-        """Move seq's blocks to the host pool (which must have room); returns the (device, host) block
-        pairs whose KV the model runner copies. seq keeps its tokens and num_computed_tokens."""
-        mapping = [(block_id, host._allocate_new_block()) for block_id in seq.block_table]
-        self._free(seq.block_table)
-        seq.block_table = [host_id for _, host_id in mapping]
+    def swap_out(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
+        """Move the blocks of seqs (a request's sequences) to the host pool, which must have room; returns
+        the (device, host) block pairs whose KV the model runner copies. They keep num_computed_tokens."""
+        return move_blocks(seqs, self, host)
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Room for the swapped-out blocks of seqs, plus a new block for each newest token that needs one?"""
+        num_new = sum(seq.num_blocks - len(seq.block_table) for seq in seqs)
+        return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.num_free_blocks
+
+    def swap_in(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
+        """Move the blocks of seqs back into fresh device blocks (call after can_swap_in); returns the (host,
+        device) block pairs to copy. Full blocks rejoin the prefix cache at once: the copies run before this
+        step's forward, so a prompt that hits them, in this step or later, reads their KV."""
+        mapping = move_blocks(seqs, host, self)
+        for seq in seqs:
+            self.hash_blocks(seq, 0, seq.num_computed_tokens)
         return mapping
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        """Room for seq's swapped-out blocks, plus a new block if its newest token needs one?"""
-        return seq.num_blocks <= self.num_free_blocks
 
-    def swap_in(self, seq: Sequence, host: "BlockManager") -> list[tuple[int, int]]:
-        """Move seq's blocks back into fresh device blocks (call after can_swap_in); returns the
-        (host, device) block pairs to copy. Its full blocks rejoin the prefix cache at once: the copies
-        run before this step's forward, so a prompt that hits them, in this step or later, reads their KV."""
-        mapping = [(host_id, self._allocate_new_block()) for host_id in seq.block_table]
-        host._free(seq.block_table)
-        seq.block_table = [block_id for _, block_id in mapping]
-        self.hash_blocks(seq, 0, seq.num_computed_tokens)
-        return mapping
+def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
+    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared."""
+    mapping: dict[int, int] = {}
+    for seq in seqs:
+        for block_id in seq.block_table:
+            if block_id in mapping:
+                dst.blocks[mapping[block_id]].ref_count += 1
+            else:
+                mapping[block_id] = dst._allocate_new_block()
+        src._free(seq.block_table)
+        seq.block_table = [mapping[b] for b in seq.block_table]
+    return list(mapping.items())

@@ -154,8 +154,8 @@ class ModelRunner:
         placeholder_rows, placeholder_seq_ids = [], []
         bs = self.block_size
         seqs = out.seqs
-        for seq, start, num_tokens, do_sample in zip(seqs, out.num_computed_tokens, out.num_scheduled_tokens,
-                                                     out.do_sample):
+        for seq, start, num_tokens, do_sample, forks in zip(seqs, out.num_computed_tokens, out.num_scheduled_tokens,
+                                                            out.do_sample, out.forks):
             end = start + num_tokens
             input_ids.extend(seq.token_ids[start:end])
             if end > len(seq.token_ids):  # async scheduling: its last token is a placeholder (filled in later)
@@ -170,7 +170,7 @@ class ModelRunner:
                 base = (seq.block_table[i] - i) * bs
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
             if do_sample:
-                logits_rows.append(len(input_ids) - 1)
+                logits_rows += [len(input_ids) - 1] * (1 + len(forks))  # n > 1: the row for every fork too
         max_num_blocks = max(len(seq.block_table) for seq in seqs)
         block_tables = [seq.block_table + [-1] * (max_num_blocks - len(seq.block_table)) for seq in seqs]
         meta = AttentionMetadata(
@@ -182,7 +182,8 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(context_lens),
         )
-        sampling = [seq for seq, do_sample in zip(seqs, out.do_sample) if do_sample]
+        sampling = [s for seq, do_sample, forks in zip(seqs, out.do_sample, out.forks) if do_sample
+                    for s in [seq, *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, seq in enumerate(sampling) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prepare_prompt_logprobs(out)
