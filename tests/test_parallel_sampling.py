@@ -118,12 +118,19 @@ def test_async_llm_streams_each_sequence_with_its_index(tiny_models):
     async def stream():
         llm = AsyncLLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=64)
         try:
-            return [out async for out in llm.generate(prompt, SamplingParams(
+            deltas = [out async for out in llm.generate(prompt, SamplingParams(
                 **params, output_kind=RequestOutputKind.DELTA))]
+            aborted = []
+            async for out in llm.generate(prompt, SamplingParams(n=3, max_tokens=40), request_id="long"):
+                aborted.append(out)
+                if len(aborted) == 2:
+                    llm.abort("long")  # one abort ends all three sequences
+            return deltas, aborted[-1]
         finally:
             llm.shutdown()
 
-    deltas = asyncio.run(stream())
+    deltas, aborted = asyncio.run(stream())
+    assert aborted.finished and {c.finish_reason for c in aborted.outputs} == {"abort"}
     tokens = {i: [] for i in range(3)}
     for out in deltas:
         for c in out.outputs:

@@ -33,15 +33,16 @@ def assert_logprobs(logprobs, token_ids, rows, k) -> None:
             r + 1 for r, i in enumerate(top.indices.tolist()) if i != token_id]
 
 
-@pytest.mark.parametrize("chunked", [False, True])
-def test_logprobs_and_prompt_logprobs_equal_transformers(tiny_models, hf, chunked):
-    # With chunked prefill, a prompt's logprobs come from several steps.
-    llm = LLM(tiny_models["llama"], **OPTIONS, enable_chunked_prefill=chunked,
-              max_num_batched_tokens=16 if chunked else 96)
+@pytest.mark.parametrize("options", [{}, dict(async_scheduling=True, min_tokens=3),
+                                     dict(enable_chunked_prefill=True, max_num_batched_tokens=16)])
+def test_logprobs_and_prompt_logprobs_equal_transformers(tiny_models, hf, options):
+    # With chunked prefill, a prompt's logprobs come from several steps. min_tokens masks EOS: not in logprobs.
+    min_tokens = options.pop("min_tokens", 0)
+    llm = LLM(tiny_models["llama"], **OPTIONS, **options)
     prompts = random_prompts(3, seed=1, low=10, high=40)
     # Sampled at temperature 2 with penalties: the logprobs still are the raw model's (vLLM's default).
     params = SamplingParams(temperature=2.0, seed=1, max_tokens=6, logprobs=3, prompt_logprobs=2,
-                            presence_penalty=1.0, repetition_penalty=1.5)
+                            presence_penalty=1.0, repetition_penalty=1.5, min_tokens=min_tokens)
     outputs = llm.generate(prompts + prompts[:1], params, use_tqdm=False)
     for prompt, out in zip(prompts + prompts[:1], outputs):
         completion = out.outputs[0].token_ids
@@ -82,9 +83,11 @@ def reference_greedy(hf, prompt, max_tokens, presence=0.0, frequency=0.0, repeti
 PENALTIES = [dict(presence=1.5), dict(frequency=0.8), dict(presence=-0.5, frequency=1.2, repetition=1.3), {}]
 
 
-def test_penalties_equal_their_definitions(tiny_models, hf):
-    """One batch, a different penalty mix per row (the sampler applies them as batched tensor ops)."""
-    llm = LLM(tiny_models["llama"], **OPTIONS)
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_penalties_equal_their_definitions(tiny_models, hf, async_scheduling):
+    """One batch, a different penalty mix per row (the sampler applies them as batched tensor ops). With async
+    scheduling the newest output token is still being sampled when the next step is planned."""
+    llm = LLM(tiny_models["llama"], **OPTIONS, async_scheduling=async_scheduling)
     prompts = random_prompts(len(PENALTIES), seed=2, low=4, high=12)
     params = [SamplingParams(temperature=0, max_tokens=16, presence_penalty=p.get("presence", 0.0),
                              frequency_penalty=p.get("frequency", 0.0), repetition_penalty=p.get("repetition", 1.0))

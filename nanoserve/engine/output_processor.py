@@ -27,6 +27,10 @@ class RequestState:
         if out.new_logprobs is not None:
             c.logprobs = (c.logprobs or []) + out.new_logprobs
         self.num_finished += out.finished
+        if out.finish_reason == "abort":  # an abort ends all of the request's sequences
+            for c in self.completions:
+                c.finish_reason = c.finish_reason or "abort"
+            self.num_finished = len(self.completions)
         if self.kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
         if self.kind == RequestOutputKind.DELTA:
