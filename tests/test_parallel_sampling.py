@@ -139,6 +139,12 @@ def test_async_llm_streams_each_sequence_with_its_index(tiny_models):
     assert [out.finished for out in deltas].count(True) == 1 and deltas[-1].finished
 
 
-def test_bad_n():
+def test_bad_n(tiny_models):
     with pytest.raises(ValueError, match="n must be >= 1, got 0"):
         SamplingParams(n=0)
+    llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=8, max_num_seqs=2)
+    with pytest.raises(ValueError, match=r"n \(3\) exceeds max_num_seqs \(2\)"):
+        llm.generate([[5, 6]], SamplingParams(n=3), use_tqdm=False)
+    # 6 prompt tokens: 1 shared full block, then each of the 2 sequences needs (2 + 12) / 4 -> 4 blocks
+    with pytest.raises(ValueError, match="needs 9 KV blocks but num_kvcache_blocks is 8"):
+        llm.generate([list(range(5, 11))], SamplingParams(n=2, max_tokens=12), use_tqdm=False)

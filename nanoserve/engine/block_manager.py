@@ -167,8 +167,9 @@ class BlockManager:
         return move_blocks(seqs, self, host)
 
     def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Room for the swapped-out blocks of seqs, plus a new block for each newest token that needs one?"""
-        num_new = sum(seq.num_blocks - len(seq.block_table) for seq in seqs)
+        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
+        of several, each may need a copy of a shared last block)?"""
+        num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
         return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.num_free_blocks
 
     def swap_in(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:

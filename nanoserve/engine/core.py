@@ -81,7 +81,11 @@ class EngineCore:
         if len(token_ids) + params.max_tokens > max_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({max_len})")
-        num_blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        if params.n > self.config.max_num_seqs:  # a request's sequences run together
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        # The prompt's full blocks are shared; each of the n sequences fills the rest on its own.
+        bs = self.config.block_size
+        num_blocks = len(token_ids) // bs + params.n * -(-(len(token_ids) % bs + params.max_tokens) // bs)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "
                              f"{self.block_manager.num_blocks} (block_size {self.config.block_size})")

@@ -57,8 +57,8 @@ class SchedulerOutput:
 
 
 def num_seats(seq: Sequence) -> int:
-    """The max_num_seqs seats a waiting sequence takes: n for a request's first sequence before its prompt
-    is done (the others fork from it then), else 1."""
+    """The max_num_seqs seats a sequence takes: n for a request's first one until its prompt is done (the
+    others fork from it then), else 1."""
     return len(seq.group) if seq.num_completion_tokens == 0 else 1
 
 
@@ -118,6 +118,10 @@ class Scheduler:
         self.stats.num_prompt_tokens += len(seq)
         self.stats.num_cached_tokens += seq.num_cached_tokens
 
+    def _num_free_seats(self) -> int:
+        """max_num_seqs less the running sequences and those that will fork from them."""
+        return self.max_num_seqs - sum(map(num_seats, self.running))
+
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
@@ -138,7 +142,7 @@ class Scheduler:
 
     def _schedule_prefill(self, out: SchedulerOutput) -> None:
         num_batched_tokens = 0
-        while self.waiting and len(self.running) + num_seats(self.waiting[0]) <= self.max_num_seqs:
+        while self.waiting and num_seats(self.waiting[0]) <= self._num_free_seats():
             seq = self.waiting[0]
             # The budget counts the tokens the step computes: a cached prefix costs none.
             num_new_tokens = self.block_manager.num_new_tokens(seq)
@@ -203,7 +207,7 @@ class Scheduler:
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) + num_seats(self.waiting[0]) <= self.max_num_seqs:
+        while self.waiting and budget > 0 and num_seats(self.waiting[0]) <= self._num_free_seats():
             seq = self.waiting[0]
             # All of the prompt's blocks, though only a chunk may run now (V1 allocates per chunk):
             # simpler, and a prompt once started never stalls for memory halfway.
@@ -231,7 +235,7 @@ class Scheduler:
             return
         seq = self.waiting[0]
         while (self.running and priority_key(self.running[-1]) > priority_key(seq) and (
-                len(self.running) + num_seats(seq) > self.max_num_seqs or not self.block_manager.can_allocate(seq))):
+                num_seats(seq) > self._num_free_seats() or not self.block_manager.can_allocate(seq))):
             self.preempt(self.running.pop(), out, swap=False)
             self.stats.num_priority_preemptions += 1
 
@@ -261,7 +265,7 @@ class Scheduler:
         """Swap requests back in, first in line first, while their blocks fit; they go on where they stopped."""
         while self.swapped and budget > 0:
             group = self._pop_group(self.swapped)
-            if len(self.running) + len(group) > self.max_num_seqs or not self.block_manager.can_swap_in(group):
+            if sum(map(num_seats, group)) > self._num_free_seats() or not self.block_manager.can_swap_in(group):
                 self.swapped.extendleft(reversed(group))
                 break
             out.blocks_to_swap_in += self.block_manager.swap_in(group, self.host_block_manager)
