@@ -81,7 +81,7 @@ def test_n_sequences_equal_n_requests_seeded_by_the_rule(tiny_models):
     """Sequence i of a request with seed s samples as a request of its own with seed s + i."""
     llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=64)
     prompts = random_prompts(2, seed=4, low=5, high=14)
-    params = SamplingParams(n=4, seed=11, max_tokens=12, presence_penalty=0.5, logprobs=2)
+    params = SamplingParams(n=4, seed=11, max_tokens=12, presence_penalty=0.5, logprobs=2, prompt_logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for prompt, out in zip(prompts, outputs):
         alone = llm.generate([prompt] * 4, [SamplingParams(seed=11 + i, max_tokens=12, presence_penalty=0.5,
@@ -91,6 +91,8 @@ def test_n_sequences_equal_n_requests_seeded_by_the_rule(tiny_models):
         assert [list(map(list, c.logprobs)) for c in out.outputs] == [list(map(list, a.outputs[0].logprobs))
                                                                       for a in alone]
         assert len({tuple(c.token_ids) for c in out.outputs}) > 1  # they did diverge
+        assert out.prompt_logprobs[0] is None  # computed once, by the first sequence, for all of them:
+        assert all(t in d for d, t in zip(out.prompt_logprobs[1:], prompt[1:]))
     assert llm.stats.num_prompt_tokens == sum(map(len, prompts)) * 5  # the n=4 prompts were prefilled once
 
 

@@ -163,7 +163,7 @@ class EngineCore:
             logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_completion_tokens - 1 :][:1]
             outputs.append(EngineCoreOutput(seq.request_id, [token_id], new_text, seq.is_finished,
                                             seq.finish_reason, stop_reason, seq.num_cached_tokens, logprobs,
-                                            seq.prompt_logprobs, seq.index))
+                                            seq.group[0].prompt_logprobs, seq.index))  # (the first computes them)
         for request_id in finished:
             del self.requests[request_id]
         return outputs
