@@ -136,7 +136,7 @@ class Scheduler:
         if out.seqs:
             out.is_prefill = True
             return
-        self._schedule_decode(out)
+        self._schedule_running(out, self.max_num_batched_tokens)  # decodes: a token each
         if not out.preempted:  # a step that had to preempt has no room to bring anyone back
             self._schedule_swapped(out, self.max_num_batched_tokens - len(out.seqs))
 
@@ -153,9 +153,6 @@ class Scheduler:
             num_batched_tokens += num_new_tokens
             self._admit(seq)
             out.add(seq, len(seq) - seq.num_computed_tokens)
-
-    def _schedule_decode(self, out: SchedulerOutput) -> None:
-        self._schedule_running(out, self.max_num_batched_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule the running requests in order, each taking min(tokens it has left, budget left); a
