@@ -53,15 +53,15 @@ class AsyncLLM:
         request_queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self.queues[request_id] = asyncio.get_running_loop(), request_queue
         self.input_queue.put(("add", request_id, token_ids, params, priority))
-        state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind)
+        state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind, params.n)
         finished = False
         try:
             while not finished:
                 out = await request_queue.get()
                 if out.error is not None:
                     raise out.error
-                finished = out.finished
                 output = state.update(out)
+                finished = state.finished
                 if output is not None:
                     yield output
         finally:  # also when the caller stopped listening (break, cancel): free the request's blocks

@@ -79,7 +79,8 @@ class LLM:
         states = {}
         for prompt, ids, params, prio in zip(prompts, token_ids, sampling_params, priority):
             request_id = str(next(self.request_ids))
-            states[request_id] = RequestState(request_id, prompt_text(prompt), ids, RequestOutputKind.FINAL_ONLY)
+            states[request_id] = RequestState(request_id, prompt_text(prompt), ids, RequestOutputKind.FINAL_ONLY,
+                                              params.n)
             self.engine.add_request(request_id, ids, params, prio)
         try:
             return self._run(states, use_tqdm)

@@ -14,27 +14,44 @@ class RequestOutputKind(Enum):
 class SamplingParams:
     """How to pick each next token and when to stop, as in vLLM."""
 
+    n: int = 1  # sequences sampled for the prompt; with a seed, sequence i draws with seed + i
     temperature: float = 1.0  # 0 means greedy (argmax)
     top_p: float = 1.0  # keep the smallest set of tokens whose probability reaches top_p
     top_k: int = -1  # keep the k most likely tokens; -1 keeps all
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated so far
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated so far
+    repetition_penalty: float = 1.0  # divides positive (multiplies negative) logits of prompt and output tokens
     max_tokens: int = 16
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request seed: the same seed gives the same sample
+    logprobs: int | None = None  # per generated token: its logprob and the `logprobs` most likely ones
+    prompt_logprobs: int | None = None  # the same for each prompt token (the prefix cache is skipped)
     stop: str | list[str] | None = None  # stop when the text contains one (finish_reason "stop")
     include_stop_str_in_output: bool = False
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1 or self.top_k == 0:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
+        for name, low, high in (("min_p", 0, 1), ("presence_penalty", -2, 2), ("frequency_penalty", -2, 2)):
+            if not low <= getattr(self, name) <= high:
+                raise ValueError(f"{name} must be in [{low}, {high}], got {getattr(self, name)}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be None or >= 0, got {getattr(self, name)}")
         if not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -91,6 +91,12 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(top_p=1.5), ["top_p", "(0, 1]", "got 1.5"]),
     (dict(top_k=0), ["top_k", ">= 1", "got 0"]),
     (dict(top_k=-2), ["top_k", ">= 1", "got -2"]),
+    (dict(min_p=1.5), ["min_p", "[0, 1]", "got 1.5"]),
+    (dict(presence_penalty=2.5), ["presence_penalty", "[-2, 2]", "got 2.5"]),
+    (dict(frequency_penalty=-3), ["frequency_penalty", "[-2, 2]", "got -3"]),
+    (dict(repetition_penalty=0), ["repetition_penalty", "> 0", "got 0"]),
+    (dict(logprobs=-1), ["logprobs", ">= 0", "got -1"]),
+    (dict(prompt_logprobs=-2), ["prompt_logprobs", ">= 0", "got -2"]),
     (dict(min_tokens=17), ["min_tokens", "[0, max_tokens=16]", "got 17"]),
     (dict(stop=["ok", ""]), ["stop", "empty string"]),
 ])

@@ -1,4 +1,6 @@
-"""BlockManager unit tests: exact block ids, ref counts and prefix-cache hits (no model)."""
+"""BlockManager unit tests: exact block ids, ref counts and prefix-cache hits (no model but in the last test)."""
+import torch
+
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
 from nanoserve.engine.scheduler import Scheduler
@@ -201,3 +203,68 @@ def test_prefix_caching_disabled_never_shares():
     bm.deallocate(a)
     c = allocated(bm, 2, range(9))
     assert (c.block_table, c.num_cached_tokens) == ([6, 7, 2], 0)
+
+
+# ---- fork and copy-on-write (early vLLM: parallel sampling shares a prompt's blocks) ------------
+
+def forked(bm: BlockManager, prompt, num_children: int) -> list[Sequence]:
+    """A computed prompt and children forked from it: all of them share its blocks."""
+    parent = computed(bm, allocated(bm, 0, prompt))
+    children = [seq(i, prompt) for i in range(1, num_children + 1)]
+    for child in children:
+        bm.fork(parent, child)
+        child.num_computed_tokens = len(prompt)
+    return [parent, *children]
+
+
+def test_copy_on_write_copies_the_shared_partly_filled_block_once_per_writer():
+    bm = BlockManager(8, BS)
+    family = forked(bm, range(6), 3)  # blocks [0, 1]; block 1 holds 2 tokens and has room for more
+    assert [s.block_table for s in family] == [[0, 1]] * 4
+    assert refs(bm) == [4, 4, 0, 0, 0, 0, 0, 0]
+    copies = []
+    for i, s in enumerate(family):  # each appends its own token: they diverge into block 1's next slot
+        s.append_token(50 + i)
+        assert bm.can_append(s)
+        copies.append(bm.may_append(s))
+    assert copies == [[(1, 2)], [(1, 3)], [(1, 4)], []]  # the last holder of block 1 writes in place
+    assert [s.block_table for s in family] == [[0, 2], [0, 3], [0, 4], [0, 1]]
+    assert refs(bm) == [4, 1, 1, 1, 1, 0, 0, 0]
+    for s in family:  # the next tokens go into private blocks: no more copies
+        decode_token(bm, s, 60)
+    assert refs(bm) == [4, 1, 1, 1, 1, 0, 0, 0] and free(bm) == [5, 6, 7]
+    for s in family:
+        bm.deallocate(s)
+    assert refs(bm) == [0] * 8 and sorted(free(bm)) == list(range(8))  # the books balance
+
+
+def test_fork_of_a_full_last_block_needs_new_blocks_not_copies():
+    bm = BlockManager(8, BS)
+    family = forked(bm, range(8), 2)
+    for i, s in enumerate(family):
+        s.append_token(50 + i)
+        assert bm.may_append(s) == []
+    assert [s.block_table for s in family] == [[0, 1, 2], [0, 1, 3], [0, 1, 4]]
+    assert refs(bm) == [3, 3, 1, 1, 1, 0, 0, 0]
+
+
+def test_copy_on_write_needs_a_free_block():
+    bm = BlockManager(2, BS)
+    parent, child = forked(bm, range(6), 1)
+    child.append_token(9)
+    assert not bm.can_append(child)  # block 1 is shared and no block is free for the copy
+    bm.deallocate(parent)
+    assert bm.can_append(child) and bm.may_append(child) == []  # child holds block 1 alone now
+
+
+def test_model_runner_copies_blocks_before_the_forward(tiny_models):
+    """The copy-on-write pairs ride in SchedulerOutput.blocks_to_copy, through the swap copies' mechanism."""
+    from nanoserve import LLM
+    from nanoserve.engine.scheduler import SchedulerOutput
+
+    runner = LLM(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=4).engine.model_runner
+    runner.kv_cache[:, :, 1] = torch.randn_like(runner.kv_cache[:, :, 1])
+    before = runner.kv_cache.clone()
+    assert runner.run(SchedulerOutput(blocks_to_copy=[(1, 3)])) == []
+    assert torch.equal(runner.kv_cache[:, :, 3], before[:, :, 1])
+    assert torch.equal(runner.kv_cache[:, :, :3], before[:, :, :3])  # nothing else changed

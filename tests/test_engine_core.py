@@ -33,7 +33,7 @@ def test_batch_queue_overlaps_steps_and_drops_the_token_after_the_finish(tiny_mo
     finishes at N loses the token N+1 computed for it, and its blocks come back at once."""
     engine = LLM(tiny_models["qwen3"], **OPTIONS, async_scheduling=True).engine
     engine.add_request("a", PROMPTS[2], greedy(2, ignore_eos=True))
-    seq = engine.requests["a"][0]
+    seq, _ = engine.requests["a"][0]  # (the first of its n sequences, its detokenizer)
     assert engine.step_fn() == []  # step 1 (the prefill) launched, nothing back yet
     assert seq.num_output_placeholders == 1 and len(seq) == len(PROMPTS[2]) + 1
     first = engine.step_fn()  # step 2 (a decode of the placeholder) launched, then step 1 taken in

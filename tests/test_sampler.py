@@ -7,7 +7,7 @@ PROBS = [0.5, 0.3, 0.15, 0.05]
 N = 2000  # draws: one row per draw, in one call
 
 
-def sample(logits, temperature=1.0, top_k=None, top_p=1.0, generators=None) -> torch.Tensor:
+def sample(logits, temperature=1.0, top_k=None, top_p=1.0, generators=None, min_p=0.0) -> torch.Tensor:
     """Sample each row; scalars apply to every row. top_k=None keeps the whole vocabulary."""
     n, vocab = logits.shape
 
@@ -15,7 +15,7 @@ def sample(logits, temperature=1.0, top_k=None, top_p=1.0, generators=None) -> t
         return torch.as_tensor(x, dtype=dtype).expand(n).clone()
 
     return Sampler()(logits, per_row(temperature, torch.float32), per_row(top_k or vocab, torch.int64),
-                     per_row(top_p, torch.float32), generators or [None] * n)
+                     per_row(top_p, torch.float32), generators or [None] * n, per_row(min_p, torch.float32))
 
 
 def draws(**kwargs) -> set[int]:
@@ -44,6 +44,12 @@ def test_top_p_keeps_the_smallest_nucleus():
     assert draws(top_p=0.5) == {0}  # token 0 alone reaches 0.5
     assert draws(top_p=0.9) == {0, 1, 2}
     assert draws(top_k=3, top_p=0.7) == {0, 1}  # both filters: the stricter one wins
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_most_likely():
+    assert draws(min_p=0.5) == {0, 1}  # kept: p >= 0.5 * 0.5
+    assert draws(min_p=0.2) == {0, 1, 2}  # kept: p >= 0.1
+    assert draws(min_p=0.2, temperature=0.5) == {0, 1}  # after temperature p is about 0.68, 0.25, 0.06, 0.01
 
 
 def test_mixed_greedy_and_sampled_rows():

@@ -79,6 +79,19 @@ def test_prefill_admission_is_capped_by_max_num_batched_tokens(make):
     assert step(s) == ([0, 1, 2], False)
 
 
+def test_prefill_budget_counts_only_the_tokens_past_the_cached_prefix(make):
+    s = make(max_num_batched_tokens=16, max_model_len=16)
+    prefix = list(range(100, 108))
+    s.add(Sequence(0, prefix + [1, 2, 3, 4], SamplingParams(max_tokens=1), BS))
+    step(s)  # its blocks are cached now
+    seqs = [Sequence(i, prefix + [10 * i] * 4, SamplingParams(max_tokens=1), BS) for i in (1, 2, 3)]
+    for seq in seqs:
+        s.add(seq)
+    out = s.schedule()  # 3 x 12 tokens would not fit the budget of 16; 3 x 4 computed tokens do
+    assert ids(out.seqs) == [1, 2, 3] and out.num_scheduled_tokens == [4, 4, 4]
+    assert [seq.num_cached_tokens for seq in seqs] == [8, 8, 8]
+
+
 def test_preemption_takes_the_newest_running_sequence(make):
     s = make(num_blocks=6)
     a, b, c = add(s, 0, 8), add(s, 1, 5), add(s, 2, 5)  # 2 blocks each: the pool is full

@@ -33,7 +33,7 @@ def add(scheduler: Scheduler, seq_id: int, num_tokens: int, priority: int = 0, *
 def step(scheduler: Scheduler) -> SchedulerOutput:
     """One engine step: every sequence that reaches its end samples TOKEN."""
     out = scheduler.schedule()
-    scheduler.postprocess(out, [TOKEN] * sum(out.do_sample))
+    scheduler.postprocess(out, [TOKEN] * (sum(out.do_sample) + sum(map(len, out.forks))))  # n > 1: forks too
     return out
 
 
@@ -156,6 +156,22 @@ def test_urgent_waiting_request_preempts_a_lower_priority_one(make, chunked):
     assert all_free(s)
 
 
+@pytest.mark.parametrize("chunked", [False, True])
+def test_urgent_waiting_request_preempts_for_a_seat(make, chunked):
+    """Blocks are plenty; what the urgent request lacks is a seat (max_num_seqs) (vLLM V0's budget check)."""
+    s = make(max_num_seqs=1, scheduling_policy="priority", enable_chunked_prefill=chunked)
+    low = add(s, 0, 6, priority=5, max_tokens=3)
+    assert batch(step(s)) == [(0, 6)]
+    add(s, 1, 5, priority=0, max_tokens=2)
+    out = step(s)
+    assert out.preempted == [low] and batch(out) == [(1, 5)]
+    assert (ids(s.running), ids(s.waiting)) == ([1], [0])
+    add(s, 2, 5, priority=5, max_tokens=1)  # not more urgent than anyone running: it waits its turn
+    # low recomputes its 7 tokens but its cached first block; then 2, whose priority ties with low's.
+    assert run_to_end(s) == [[(1, 1)], [(0, 3)], [(0, 1)], [(2, 5)]]
+    assert s.stats.num_priority_preemptions == 1 and all_free(s)
+
+
 def test_equal_priority_does_not_preempt(make):
     s = make(num_blocks=4, scheduling_policy="priority")
     add(s, 0, 12, priority=1)
@@ -189,6 +205,25 @@ def test_swap_out_and_in_moves_exact_blocks(make):
     assert run_to_end(s) == [[(3, 3)], [(2, 1), (3, 1)], [(3, 1)]]
     assert (s.stats.num_swapped_out, s.stats.num_swapped_in, s.stats.num_preemptions) == (1, 1, 1)
     assert [len(x.completion_token_ids) for x in (a, b, c)] == [2, 3, 3]
+    assert all_free(s)
+
+
+def test_swapped_in_blocks_rejoin_the_prefix_cache(make):
+    s = make(num_blocks=6, num_host_blocks=4, preemption_mode="swap")
+    add(s, 0, 8, max_tokens=2), add(s, 1, 5, max_tokens=3)
+    c = add(s, 2, 5, max_tokens=3)
+    step(s)
+    step(s)  # c is swapped out; its device blocks 4 and 5 are handed out again
+    out = step(s)
+    assert out.blocks_to_swap_in == [(0, 4), (1, 5)]  # as in the test above
+    d = Sequence(3, c.token_ids[:BS] + [1, 2, 3], SamplingParams(max_tokens=1), BS)
+    s.add(d)  # a later prompt that starts with c's first block
+    out = s.schedule()
+    assert batch(out) == [(3, 3)]  # only its last 3 tokens are computed
+    assert d.num_cached_tokens == BS and d.block_table[0] == c.block_table[0] == 4
+    assert s.block_manager.blocks[4].ref_count == 2
+    s.postprocess(out, [TOKEN])
+    run_to_end(s)
     assert all_free(s)
 
 

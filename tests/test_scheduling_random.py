@@ -1,7 +1,8 @@
-"""Randomized: every combination of the scheduling options under random arrivals, lengths, priorities and
-pool sizes, with a stand-in model whose next token depends on the whole prefix. Every request finishes, no
-step exceeds its token or sequence budget, every sequence reads only its own KV (through swaps too), no
-block leaks or goes below zero references, and each output equals the request's run with memory to spare."""
+"""Randomized: every combination of the scheduling options under random arrivals, lengths, priorities, pool
+sizes and n (parallel sampling), with a stand-in model whose next token depends on the whole prefix. Every
+request finishes, no step exceeds its token or sequence budget, every sequence reads only its own KV (through
+swaps and copy-on-write too), no block leaks or goes below zero references, and each output equals the
+sequence's run with memory to spare."""
 import random
 import zlib
 from array import array
@@ -19,16 +20,17 @@ EOS = 2
 NUM_CASES = 150  # per prefix-caching setting
 
 
-def next_token(token_ids: list[int]) -> int:
-    """The stand-in model: a deterministic function of the whole prefix, EOS (2) one time in eight."""
-    return 2 + zlib.crc32(array("q", token_ids).tobytes()) % 8
+def next_token(token_ids: list[int], index: int = 0) -> int:
+    """The stand-in model: a deterministic function of the whole prefix, EOS (2) one time in eight; the n
+    sequences of a request (index) sample differently."""
+    return 2 + zlib.crc32(array("q", token_ids + [index]).tobytes()) % 8
 
 
-def unconstrained(prompt: list[int], params: SamplingParams) -> list[int]:
-    """The request's output when it has the model and the memory to itself."""
+def unconstrained(prompt: list[int], params: SamplingParams, index: int) -> list[int]:
+    """The sequence's output when it has the model and the memory to itself."""
     tokens = list(prompt)
     while True:
-        tokens.append(next_token(tokens))
+        tokens.append(next_token(tokens, index))
         t = tokens[-1]
         if (t == EOS and not params.ignore_eos) or t in params.stop_token_ids or \
                 len(tokens) - len(prompt) == params.max_tokens:
@@ -48,11 +50,16 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
     for seq_id in range(rng.randint(1, 12)):
         prompt = (rng.choice(prefixes) + [rng.randint(3, 9) for _ in range(rng.randint(1, 8))])[: max_model_len - 1]
         room = max_model_len - len(prompt)
+        n = min(rng.choice([1, 1, 2, 3]), config.max_num_seqs)
         params = SamplingParams(max_tokens=rng.randint(-(-room // 2), room), ignore_eos=rng.random() < 0.5,
-                                stop_token_ids=rng.choice([[], [3]]))
+                                stop_token_ids=rng.choice([[], [3]]), n=n)
         priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
-        requests.append((rng.randint(0, 10), Sequence(seq_id, prompt, params, block_size, priority)))
-    largest = max(-(-(len(seq) + seq.sampling_params.max_tokens) // block_size) for _, seq in requests)
+        group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
+        for seq in group:
+            seq.group = group
+        requests.append((rng.randint(0, 10), group[0]))
+    largest = max(len(seq) // block_size + seq.sampling_params.n * -(-(len(seq) % block_size +  # as check_request
+                  seq.sampling_params.max_tokens) // block_size) for _, seq in requests)
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, prefix_caching)  # often too small for all
     host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if config.preemption_mode == "swap" else None
     return config, sorted(requests, key=lambda r: r[0]), Scheduler(config, bm, host)
@@ -71,7 +78,8 @@ def check_step(out: SchedulerOutput, config: Config) -> None:
 
 def move_kv(kv: dict, host_kv: dict, out: SchedulerOutput, block_size: int) -> None:
     """Stand-in KV cache (slot -> the token prefix whose KV it holds): the copies the model runner makes."""
-    for mapping, src, dst in ((out.blocks_to_swap_out, kv, host_kv), (out.blocks_to_swap_in, host_kv, kv)):
+    for mapping, src, dst in ((out.blocks_to_swap_out, kv, host_kv), (out.blocks_to_swap_in, host_kv, kv),
+                              (out.blocks_to_copy, kv, kv)):
         for src_block, dst_block in mapping:
             for offset in range(block_size):
                 dst[dst_block, offset] = src.get((src_block, offset))
@@ -112,8 +120,8 @@ def check_books(scheduler: Scheduler) -> None:
 def run_case(model: str, seed: int, prefix_caching: bool) -> None:
     rng = random.Random(seed)
     config, requests, scheduler = random_case(rng, model, prefix_caching)
-    seqs = [seq for _, seq in requests]
-    expected = [unconstrained(seq.token_ids, seq.sampling_params) for seq in seqs]
+    seqs = [seq for _, first in requests for seq in first.group]
+    expected = [unconstrained(seq.token_ids, seq.sampling_params, seq.index) for seq in seqs]
     kv: dict = {}
     host_kv: dict = {}
     for t in range(10_000):
@@ -127,7 +135,8 @@ def run_case(model: str, seed: int, prefix_caching: bool) -> None:
         check_step(out, config)
         move_kv(kv, host_kv, out, config.block_size)
         write_and_check_kv(kv, out, config.block_size)
-        scheduler.postprocess(out, [next_token(seq.token_ids) for seq, s in zip(out.seqs, out.do_sample) if s])
+        scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
+                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
         check_books(scheduler)
     else:
         pytest.fail("requests still unfinished after 10000 steps")

@@ -63,7 +63,8 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq, verified token by token."""
         hit_ids: list[int] = []
-        if not self.enable_prefix_caching:
+        # A request for prompt_logprobs computes its whole prompt: cached tokens would get no logits (vLLM V1).
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hit_ids
         # Stop one token short of the end: the last token must be computed to get logits for it.
         prefix_hash = -1
@@ -79,6 +80,10 @@ class BlockManager:
     def _num_blocks_needed(self, seq: Sequence, hit_ids: list[int]) -> int:
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
         return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids)
+
+    def num_new_tokens(self, seq: Sequence) -> int:
+        """How many of seq's tokens allocate(seq) would leave to compute: those past its cached prefix."""
+        return len(seq) - len(self._cached_prefix(seq)) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Would allocate(seq) succeed now? (Priority scheduling asks before evicting anyone for seq.)"""
@@ -109,20 +114,38 @@ class BlockManager:
         for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
-            if i > 0 and prefix_hash == -1:
-                return  # the blocks before came back from a swap without their hashes: this one can't be named
             block.token_ids = seq.block(i)
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Can seq's newest token get a slot? It needs a new block only when its last one is full."""
-        return len(seq.block_table) >= seq.num_blocks or self.num_free_blocks > 0
+    def needs_block(self, seq: Sequence) -> bool:
+        """Does seq's newest token need a new block: its last one is full, or shared (copy-on-write)?"""
+        return len(seq.block_table) < seq.num_blocks or self.blocks[seq.block_table[-1]].ref_count > 1
 
-    def may_append(self, seq: Sequence) -> None:
-        """Reserve a slot for the token this decode step computes (call only after can_append)."""
+    def can_append(self, seq: Sequence) -> bool:
+        """Can seq's newest token get a slot?"""
+        return not self.needs_block(seq) or self.num_free_blocks > 0
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Reserve a slot for the token this step computes (call only after can_append). Returns the
+        (source, destination) block pair to copy first when the last block was shared, else []."""
+        if not self.needs_block(seq):
+            return []
         if len(seq.block_table) < seq.num_blocks:
             seq.block_table.append(self._allocate_new_block())
+            return []
+        # Copy-on-write: the partly filled last block is shared with a forked sibling, which must not
+        # see this token. Write into a private copy; the siblings keep the original.
+        src = seq.block_table[-1]
+        self._free([src])
+        seq.block_table[-1] = self._allocate_new_block()
+        return [(src, seq.block_table[-1])]
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """child starts as a copy of parent: it shares all its blocks (one more reference each)."""
+        child.block_table = list(parent.block_table)
+        for block_id in child.block_table:
+            self.blocks[block_id].ref_count += 1
 
     def _free(self, block_ids: list[int]) -> None:
         # Free the tail first: the free queue evicts from the left, so shared prefixes live longest.
@@ -138,22 +161,36 @@ class BlockManager:
         seq.num_computed_tokens = 0
 
     # ---- swapping (preemption_mode="swap"): `host` is a second pool, of blocks in host memory ------
-    def swap_out(self, seq: Sequence, host: "BlockManager") -> list[tuple[int, int]]:
-        """Move seq's blocks to the host pool (which must have room); returns the (device, host) block
-        pairs whose KV the model runner copies. seq keeps its tokens and num_computed_tokens."""
-        mapping = [(block_id, host._allocate_new_block()) for block_id in seq.block_table]
-        self._free(seq.block_table)
-        seq.block_table = [host_id for _, host_id in mapping]
+    def swap_out(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
+        """Move the blocks of seqs (a request's sequences) to the host pool, which must have room; returns
+        the (device, host) block pairs whose KV the model runner copies. They keep num_computed_tokens."""
+        return move_blocks(seqs, self, host)
+
+    def can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
+        of several, each may need a copy of a shared last block)?"""
+        num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
+        return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.num_free_blocks
+
+    def swap_in(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
+        """Move the blocks of seqs back into fresh device blocks (call after can_swap_in); returns the (host,
+        device) block pairs to copy. Full blocks rejoin the prefix cache at once: the copies run before this
+        step's forward, so a prompt that hits them, in this step or later, reads their KV."""
+        mapping = move_blocks(seqs, host, self)
+        for seq in seqs:
+            self.hash_blocks(seq, 0, seq.num_computed_tokens)
         return mapping
 
-    def can_swap_in(self, seq: Sequence) -> bool:
-        """Room for seq's swapped-out blocks, plus a new block if its newest token needs one?"""
-        return seq.num_blocks <= self.num_free_blocks
 
-    def swap_in(self, seq: Sequence, host: "BlockManager") -> list[tuple[int, int]]:
-        """Move seq's blocks back into fresh device blocks (call after can_swap_in); returns the
-        (host, device) block pairs to copy. The copies are not in the prefix cache."""
-        mapping = [(host_id, self._allocate_new_block()) for host_id in seq.block_table]
-        host._free(seq.block_table)
-        seq.block_table = [block_id for _, block_id in mapping]
-        return mapping
+def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
+    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared."""
+    mapping: dict[int, int] = {}
+    for seq in seqs:
+        for block_id in seq.block_table:
+            if block_id in mapping:
+                dst.blocks[mapping[block_id]].ref_count += 1
+            else:
+                mapping[block_id] = dst._allocate_new_block()
+        src._free(seq.block_table)
+        seq.block_table = [mapping[b] for b in seq.block_table]
+    return list(mapping.items())

@@ -28,6 +28,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    new_logprobs: list | None = None  # with SamplingParams(logprobs=k): one dict per new token
+    prompt_logprobs: list | None = None  # with prompt_logprobs=k
+    index: int = 0  # which of the request's n sequences; finished says it finished
     error: BaseException | None = None  # the request failed (and is gone): the front end raises this
 
 
@@ -48,7 +51,7 @@ class EngineCore:
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
-        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        self.requests: dict[str, list[tuple[Sequence, IncrementalDetokenizer | None]]] = {}  # one per n
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
         # Async scheduling: the forwards run one after another in one executor thread, in planning order;
@@ -68,6 +71,9 @@ class EngineCore:
         bad = [t for t in token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            if (getattr(params, name) or 0) > vocab_size:
+                raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority: got {priority}, but it needs scheduling_policy='priority'")
         if params.stop and self.tokenizer is None:
@@ -76,7 +82,11 @@ class EngineCore:
         if len(token_ids) + params.max_tokens > max_len:
             raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
                              f"exceeds max_model_len ({max_len})")
-        num_blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        if params.n > self.config.max_num_seqs:  # a request's sequences run together
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        # The prompt's full blocks are shared; each of the n sequences fills the rest on its own.
+        bs = self.config.block_size
+        num_blocks = len(token_ids) // bs + params.n * -(-(len(token_ids) % bs + params.max_tokens) // bs)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "
                              f"{self.block_manager.num_blocks} (block_size {self.config.block_size})")
@@ -86,17 +96,20 @@ class EngineCore:
         self.check_request(prompt_token_ids, sampling_params, priority)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seq = Sequence(next(self.seq_ids), prompt_token_ids, sampling_params, self.config.block_size, priority,
-                       request_id)
-        detokenizer = IncrementalDetokenizer(self.tokenizer, sampling_params) if self.tokenizer else None
-        self.requests[request_id] = seq, detokenizer
-        self.scheduler.add(seq)
+        seqs = [Sequence(next(self.seq_ids), prompt_token_ids, sampling_params, self.config.block_size, priority,
+                         request_id, i) for i in range(sampling_params.n)]
+        for seq in seqs:
+            seq.group = seqs
+        self.requests[request_id] = [(seq, IncrementalDetokenizer(self.tokenizer, sampling_params)
+                                      if self.tokenizer else None) for seq in seqs]
+        self.scheduler.add(seqs[0])  # the others fork from it once its prompt is done
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if there is no such request (it may have finished)."""
         if request_id not in self.requests:
             return False
-        self.scheduler.abort(self.requests.pop(request_id)[0])
+        for seq, _ in self.requests.pop(request_id):
+            self.scheduler.abort(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -138,11 +151,11 @@ class EngineCore:
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
         """Append the sampled tokens, detokenize, look for stop strings, finish requests."""
-        outputs, updated = [], self.scheduler.postprocess(out, token_ids)
+        outputs, finished, updated = [], set(), self.scheduler.postprocess(out, token_ids)
         for seq in updated:
             token_id, params = seq.token_ids[-1], seq.sampling_params
             stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
-            _, detokenizer = self.requests[seq.request_id]
+            _, detokenizer = self.requests[seq.request_id][seq.index]
             new_text = ""
             if detokenizer is not None:
                 stop = detokenizer.update(token_id, seq.is_finished)
@@ -150,10 +163,15 @@ class EngineCore:
                     self.scheduler.abort(seq)
                     seq.finish_reason, stop_reason = "stop", stop
                 new_text = detokenizer.get_delta(seq.is_finished)
-            if seq.is_finished:
-                del self.requests[seq.request_id]
+            if all(s.is_finished for s in seq.group):
+                finished.add(seq.request_id)
+            # (The model runner wrote the token's logprobs when it sampled it; a later step may be ahead.)
+            logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_completion_tokens - 1 :][:1]
             outputs.append(EngineCoreOutput(seq.request_id, [token_id], new_text, seq.is_finished,
-                                            seq.finish_reason, stop_reason, seq.num_cached_tokens))
+                                            seq.finish_reason, stop_reason, seq.num_cached_tokens, logprobs,
+                                            seq.group[0].prompt_logprobs, seq.index))  # (the first computes them)
+        for request_id in finished:
+            del self.requests[request_id]
         if self.trace is not None:  # LLM(..., trace=True): nanoserve/tools/trace.py prints and plots it
             self.trace.append(record_step(len(self.trace), out, updated, self.scheduler))
         return outputs
@@ -187,7 +205,7 @@ class EngineCore:
             except Exception as error:  # a bug outside the forward: fail everyone rather than leave them waiting
                 if self.batch_queue:
                     self.batch_queue.clear()
-                outputs = self._fail([seq for seq, _ in self.requests.values()], error)
+                outputs = self._fail([seq for seqs in self.requests.values() for seq, _ in seqs], error)
             if outputs:
                 output_queue.put_nowait(outputs)
 

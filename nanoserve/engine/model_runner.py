@@ -13,8 +13,9 @@ from nanoserve.layers.attention import (
     AttentionMetadata,
     attention_backend,
 )
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import build_model
+from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.loader import load_weights
 from nanoserve.utils.memory import keep_freed_memory
@@ -33,6 +34,7 @@ class ModelInput:
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
     placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
     placeholder_seq_ids: list[int]  # ...for these sequences
+    logprobs: list[tuple[Sequence, int | None, int]]  # logits rows to score (see record_logprobs)
 
 
 class ModelRunner:
@@ -118,11 +120,13 @@ class ModelRunner:
         shape = (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:])
         self.host_kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
 
-    def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]]) -> None:
+    def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
+                    blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the
-        host pool, returning requests' KV back in."""
+        host pool, returning requests' KV back in, then copy-on-write copies inside the device pool.
         for mapping, src, dst in ((blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
-                                  (blocks_to_swap_in, self.host_kv_cache, self.kv_cache)):
+                                  (blocks_to_swap_in, self.host_kv_cache, self.kv_cache),
+                                  (blocks_to_copy, self.kv_cache, self.kv_cache)):
             if mapping:
                 src_ids, dst_ids = zip(*mapping)
                 dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
@@ -168,8 +172,8 @@ class ModelRunner:
         placeholder_rows, placeholder_seq_ids = [], []
         bs = self.block_size
         seqs = out.seqs
-        for seq, start, num_tokens, do_sample in zip(seqs, out.num_computed_tokens, out.num_scheduled_tokens,
-                                                     out.do_sample):
+        for seq, start, num_tokens, do_sample, forks in zip(seqs, out.num_computed_tokens, out.num_scheduled_tokens,
+                                                            out.do_sample, out.forks):
             end = start + num_tokens
             input_ids.extend(seq.token_ids[start:end])
             if end > len(seq.token_ids):  # async scheduling: its last token is a placeholder (filled in later)
@@ -184,7 +188,7 @@ class ModelRunner:
                 base = (seq.block_table[i] - i) * bs
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
             if do_sample:
-                logits_rows.append(len(input_ids) - 1)
+                logits_rows += [len(input_ids) - 1] * (1 + len(forks))  # n > 1: the row for every fork too
         max_num_blocks = max(len(seq.block_table) for seq in seqs)
         block_tables = [seq.block_table + [-1] * (max_num_blocks - len(seq.block_table)) for seq in seqs]
         meta = AttentionMetadata(
@@ -196,11 +200,16 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(context_lens),
         )
-        sampling = [seq for seq, do_sample in zip(seqs, out.do_sample) if do_sample]
+        sampling = [s for seq, do_sample, forks in zip(seqs, out.do_sample, out.forks) if do_sample
+                    for s in [seq, *forks]]
+        # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
+        logprobs = [(seq, None, row) for row, seq in enumerate(sampling) if seq.logprobs is not None]
+        prompt_rows, prompt_places = self.prepare_prompt_logprobs(out)
+        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(sampling))]
         return ModelInput(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                          self._tensor(logits_rows, torch.int64), self.prepare_sample(sampling),
+                          self._tensor(logits_rows + prompt_rows, torch.int64), self.prepare_sample(sampling),
                           self._min_tokens_mask(sampling),
-                          [seq.seq_id for seq in sampling], placeholder_rows, placeholder_seq_ids)
+                          [seq.seq_id for seq in sampling], placeholder_rows, placeholder_seq_ids, logprobs)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned host memory lets the copy overlap with GPU work
@@ -209,12 +218,53 @@ class ModelRunner:
     def prepare_sample(self, seqs: list[Sequence]) -> dict:
         vocab_size = self.config.hf_config.vocab_size
         params = [seq.sampling_params for seq in seqs]
-        return dict(
+        sample = dict(
             temperatures=self._tensor([p.temperature for p in params], torch.float32),
             top_ks=self._tensor([vocab_size if p.top_k == -1 else p.top_k for p in params], torch.int64),
             top_ps=self._tensor([p.top_p for p in params], torch.float32),
+            min_ps=self._tensor([p.min_p for p in params], torch.float32),
             generators=[seq.generator for seq in seqs],
         )
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
+            sample["penalties"] = dict(
+                prompt_token_ids=self._padded([seq.prompt_token_ids for seq in seqs], vocab_size),
+                output_token_ids=self._padded([seq.completion_token_ids + [-1] * (seq.num_output_placeholders - 1)
+                                               for seq in seqs], vocab_size),
+                presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
+                frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
+                repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
+        return sample
+
+    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
+        width = max(map(len, rows))
+        return self._tensor([row + [pad] * (width - len(row)) for row in rows], torch.int64)
+
+    def prepare_prompt_logprobs(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of
+        position p scores token p + 1), and where each result goes: (sequence, p + 1)."""
+        rows, places, offset = [], [], 0
+        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            if seq.prompt_logprobs is not None:
+                end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+                rows += range(offset, offset + end - start)
+                places += [(seq, p + 1) for p in range(start, end)]
+            offset += num_tokens
+        return rows, places
+
+    def record_logprobs(self, logits: torch.Tensor, sampled: list[int], places: list[tuple]) -> None:
+        """For each (seq, p, row): score a token under logits[row], with the top k. p None: the token sampled
+        from that row, appended to seq.logprobs; else prompt token p, stored in seq.prompt_logprobs[p]."""
+        token_ids = [sampled[row] if p is None else seq.token_ids[p] for seq, p, row in places]
+        ks = [s.sampling_params.logprobs if p is None else s.sampling_params.prompt_logprobs for s, p, _ in places]
+        scores = compute_logprobs(logits[[row for *_, row in places]], self._tensor(token_ids, torch.int64), max(ks))
+        for (seq, p, _), k, token_id, lp, rank, top_ids, top_lps in zip(places, ks, token_ids,
+                                                                       *(t.tolist() for t in scores)):
+            d = {i: Logprob(x, r) for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k]), 1)}
+            d[token_id] = Logprob(lp, rank)
+            if p is None:
+                seq.logprobs.append(d)
+            else:
+                seq.prompt_logprobs[p] = d
 
     def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
         """(row, token) pairs to mask: EOS and the stop tokens, for a request that has fewer than min_tokens
@@ -243,7 +293,7 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """Copy swapped blocks, fill in the placeholders, run the batch and sample: a token id per sequence that
         samples, as a device tensor (no wait for it here). Steps run one at a time, in planning order."""
-        self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in)
+        self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         prev, self.prev_sampled = self.prev_sampled, None
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
@@ -257,11 +307,20 @@ class ModelRunner:
         logits = self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
         if logits is None:  # a tensor-parallel worker (in the CUDA warm-up): only rank 0 samples
             return torch.empty(0, dtype=torch.int64)
+        sample_logits = logits[: len(inputs.sample_seq_ids)]
         mask_rows, mask_ids = inputs.min_tokens_mask
-        if mask_rows:
-            logits[mask_rows, mask_ids] = float("-inf")
-        sampled = self.sampler(logits, **inputs.sampling)
+        if mask_rows:  # (on a copy: logprobs are of the raw logits)
+            sample_logits = sample_logits.index_put((self._tensor(mask_rows, torch.int64),
+                                                     self._tensor(mask_ids, torch.int64)), torch.tensor(float("-inf")))
+        penalties = inputs.sampling.get("penalties")
+        if penalties is not None:  # the token the step before was sampling (-1 in the plan) is output too
+            newest = inputs.input_ids[inputs.logits_rows[: len(sample_logits)]]
+            penalties["output_token_ids"] = torch.where(penalties["output_token_ids"] == -1, newest[:, None],
+                                                        penalties["output_token_ids"])
+        sampled = self.sampler(sample_logits, **inputs.sampling)
         self.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
+        if inputs.logprobs:
+            self.record_logprobs(logits, sampled.tolist(), inputs.logprobs)
         return sampled
 
     def run(self, out: SchedulerOutput) -> list[int]:

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 from nanoserve.engine.core import EngineCoreOutput
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
@@ -5,21 +7,36 @@ from nanoserve.sampling_params import RequestOutputKind
 
 class RequestState:
     """One request in a front end (LLM, AsyncLLM): gathers its EngineCoreOutputs, step by step, into the
-    RequestOutputs its output_kind asks for."""
+    RequestOutputs its output_kind asks for, with one CompletionOutput per sequence (SamplingParams.n)."""
 
-    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], kind: RequestOutputKind):
+    def __init__(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], kind: RequestOutputKind,
+                 n: int = 1):
         self.request_id, self.prompt, self.prompt_token_ids, self.kind = request_id, prompt, prompt_token_ids, kind
-        self.text = ""
-        self.token_ids: list[int] = []
+        self.completions = [CompletionOutput(i, "", [], None) for i in range(n)]
+        self.num_finished = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.num_finished == len(self.completions)
 
     def update(self, out: EngineCoreOutput) -> RequestOutput | None:
-        self.text += out.new_text
-        self.token_ids += out.new_token_ids
-        if self.kind == RequestOutputKind.FINAL_ONLY and not out.finished:
+        c = self.completions[out.index]
+        c.text += out.new_text
+        c.token_ids = c.token_ids + out.new_token_ids
+        c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        if out.new_logprobs is not None:
+            c.logprobs = (c.logprobs or []) + out.new_logprobs
+        self.num_finished += out.finished
+        if out.finish_reason == "abort":  # an abort ends all of the request's sequences
+            for c in self.completions:
+                c.finish_reason = c.finish_reason or "abort"
+            self.num_finished = len(self.completions)
+        if self.kind == RequestOutputKind.FINAL_ONLY and not self.finished:
             return None
-        delta = self.kind == RequestOutputKind.DELTA
-        completion = CompletionOutput(0, out.new_text if delta else self.text,
-                                      list(out.new_token_ids if delta else self.token_ids),
-                                      out.finish_reason, out.stop_reason)
+        if self.kind == RequestOutputKind.DELTA:
+            completions = [CompletionOutput(out.index, out.new_text, list(out.new_token_ids), out.finish_reason,
+                                            out.stop_reason, out.new_logprobs)]
+        else:
+            completions = [replace(c) for c in self.completions]  # copies: later steps go on updating ours
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, out.num_cached_tokens,
-                             [completion], out.finished)
+                             completions, self.finished, out.prompt_logprobs)

@@ -2,6 +2,7 @@ from enum import Enum, auto
 
 import torch
 
+from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -16,9 +17,11 @@ class Sequence:
     """One request: its tokens, where their KV lives, and how far the model has got."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 priority: int = 0, request_id: str = ""):
+                 priority: int = 0, request_id: str = "", index: int = 0):
         self.seq_id = seq_id  # ids count up in arrival order
         self.request_id = request_id  # the caller's name for it
+        self.index = index  # which of the request's n sequences (SamplingParams.n) it is
+        self.group = [self]  # the request's n sequences (one list, shared by all of them)
         self.priority = priority  # scheduling_policy="priority": lower values are served first
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -33,7 +36,11 @@ class Sequence:
         self.num_output_placeholders = 0
         self.finish_reason: str | None = None
         seed = sampling_params.seed
-        self.generator = None if seed is None else torch.Generator().manual_seed(seed)
+        self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
+        # Filled by the model runner when asked for: one dict per generated token, one per prompt token.
+        self.logprobs: list[dict[int, Logprob]] | None = None if sampling_params.logprobs is None else []
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
+            None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
         return len(self.token_ids) + self.num_output_placeholders
