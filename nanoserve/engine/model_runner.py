@@ -123,7 +123,7 @@ class ModelRunner:
     def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
                     blocks_to_copy: list[tuple[int, int]]) -> None:
         """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the
-        host pool, returning requests' KV back in, then copy-on-write copies inside the device pool.
+        host pool, returning requests' KV back in, then copy-on-write copies inside the device pool."""
         for mapping, src, dst in ((blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
                                   (blocks_to_swap_in, self.host_kv_cache, self.kv_cache),
                                   (blocks_to_copy, self.kv_cache, self.kv_cache)):
