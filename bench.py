@@ -117,30 +117,30 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     forward_times = time_forward(engine.model_runner)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in output_lens]
     start = perf_counter()
-    seqs = [engine.add_request(ids, sp) for ids, sp in zip(prompts, params)]
-    first_token, finish = {}, {}
-    no_token_yet = list(seqs)
-    while not engine.is_finished():
-        finished, _, _ = engine.step()
+    for i, (ids, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), ids, sp)
+    first_token, finish, lengths, cached = {}, {}, [0] * len(prompts), [0] * len(prompts)
+    while engine.has_unfinished_requests():
+        outputs = engine.step_fn()
         now = perf_counter()
-        for seq in no_token_yet:
-            if seq.num_completion_tokens > 0:
-                first_token[seq.seq_id] = now
-        no_token_yet = [seq for seq in no_token_yet if seq.seq_id not in first_token]
-        for seq in finished:
-            finish[seq.seq_id] = now
+        for out in outputs:
+            i = int(out.request_id)
+            first_token.setdefault(i, now)
+            lengths[i] += len(out.new_token_ids)
+            if out.finished:
+                finish[i], cached[i] = now, out.num_cached_tokens
     wall = perf_counter() - start
-    assert [seq.num_completion_tokens for seq in seqs] == output_lens
+    assert lengths == output_lens
     num_tokens = sum(output_lens)
-    ttft = [first_token[s.seq_id] - start for s in seqs]
-    tpot = [(finish[s.seq_id] - first_token[s.seq_id]) / (n - 1) for s, n in zip(seqs, output_lens) if n > 1]
+    ttft = [first_token[i] - start for i in range(len(prompts))]
+    tpot = [(finish[i] - first_token[i]) / (n - 1) for i, n in enumerate(output_lens) if n > 1]
     forward = sum(forward_times)
     return dict(
         output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall,
         ttft_p50_s=percentiles(ttft)[0], ttft_p90_s=percentiles(ttft)[1],
         tpot_p50_ms=percentiles(tpot)[0] * 1e3, tpot_p90_ms=percentiles(tpot)[1] * 1e3,
         forward_s=forward, overhead_share=(wall - forward) / wall,
-        steps=len(forward_times), cached_prompt_tokens=sum(s.num_cached_tokens for s in seqs),
+        steps=len(forward_times), cached_prompt_tokens=sum(cached),
     )
 
 

@@ -23,6 +23,7 @@ class Config:
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` values are served first (V0)
     preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
+    async_scheduling: bool = False  # plan step N+1 while step N's forward runs (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU

@@ -1,48 +1,59 @@
-import os
 from dataclasses import fields
+from itertools import count
 from time import perf_counter
 
 from tqdm.auto import tqdm
-from transformers import AutoTokenizer
 
 from nanoserve.config import Config
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import SchedulerStats
-from nanoserve.engine.sequence import Sequence
-from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.utils.default_model import resolve_model
 
 Prompt = str | list[int] | dict
 Params = SamplingParams | list[SamplingParams] | None
 
 
+def make_engine(model: str | None, options: dict) -> EngineCore:
+    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: check the options, load the model."""
+    names = {f.name for f in fields(Config) if f.init}
+    unknown = set(options) - names
+    if unknown:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
+    return EngineCore(Config(resolve_model(model), **options))
+
+
+def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
+    """A prompt is text, token ids, or {"prompt_token_ids": [...]} / {"prompt": text}, as in vLLM."""
+    if isinstance(prompt, dict):
+        ids = prompt.get("prompt_token_ids")
+        return list(ids) if ids is not None else prompt_token_ids(tokenizer, prompt["prompt"])
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("prompt: this model folder has no tokenizer; pass token ids instead of text")
+        return tokenizer.encode(prompt)
+    return list(prompt)
+
+
+def prompt_text(prompt: Prompt) -> str | None:
+    text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
+    return text if isinstance(text, str) else None
+
+
 class LLM:
-    """The offline API, shaped like vLLM's: `LLM(model, **config).generate(prompts, sampling_params)`."""
+    """The offline API, shaped like vLLM's: `LLM(model, **config).generate(prompts, sampling_params)`.
+    It steps the EngineCore itself until every request it added is done."""
 
     def __init__(self, model: str | None = None, **kwargs):
-        names = {f.name for f in fields(Config) if f.init}
-        unknown = set(kwargs) - names
-        if unknown:
-            raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
-        path = resolve_model(model)
-        self.engine = LLMEngine(Config(path, **kwargs))
-        has_tokenizer = any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = AutoTokenizer.from_pretrained(path) if has_tokenizer else None
+        self.engine = make_engine(model, kwargs)
+        self.tokenizer = self.engine.tokenizer
+        self.request_ids = count()
 
     @property
     def stats(self) -> SchedulerStats:
         return self.engine.scheduler.stats
-
-    def _token_ids(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, dict):
-            ids = prompt.get("prompt_token_ids")
-            return list(ids) if ids is not None else self._token_ids(prompt["prompt"])
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("prompt: this model folder has no tokenizer; pass token ids instead of text")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -56,38 +67,36 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
-        token_ids = [self._token_ids(p) for p in prompts]
-        requests = list(zip(token_ids, sampling_params, priority))
-        for request in requests:  # all checked before any request is queued
+        token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
+        for request in zip(token_ids, sampling_params, priority):  # all checked before any request is queued
             self.engine.check_request(*request)
-        seqs = [self.engine.add_request(*request) for request in requests]
+        states = {}
+        for prompt, ids, params, prio in zip(prompts, token_ids, sampling_params, priority):
+            request_id = str(next(self.request_ids))
+            states[request_id] = RequestState(request_id, prompt_text(prompt), ids, RequestOutputKind.FINAL_ONLY)
+            self.engine.add_request(request_id, ids, params, prio)
         try:
-            self._run(seqs, use_tqdm)
+            return self._run(states, use_tqdm)
         except BaseException:
-            self.engine.abort(seqs)  # give back their KV blocks so the engine stays usable
+            for request_id in states:  # give back their KV blocks so the engine stays usable
+                self.engine.abort_request(request_id)
             raise
-        return [self._output(p, seq) for p, seq in zip(prompts, seqs)]
 
-    def _run(self, seqs: list[Sequence], use_tqdm: bool) -> None:
-        pbar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        prefill_tps = decode_tps = 0.0
-        while not all(seq.is_finished for seq in seqs):
-            t = perf_counter()
-            finished, num_tokens, is_prefill = self.engine.step()
-            tps = num_tokens / (perf_counter() - t)
-            prefill_tps, decode_tps = (tps, decode_tps) if is_prefill else (prefill_tps, tps)
-            pbar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s")
-            pbar.update(len(finished))
+    def _run(self, states: dict[str, RequestState], use_tqdm: bool) -> list[RequestOutput]:
+        pbar = tqdm(total=len(states), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        finals, num_tokens, start = {}, 0, perf_counter()
+        while self.engine.has_unfinished_requests():
+            for out in self.engine.step_fn():
+                if out.error is not None:
+                    raise out.error
+                num_tokens += len(out.new_token_ids)
+                final = states[out.request_id].update(out)  # None until the request finishes
+                if final is not None:
+                    finals[out.request_id] = final
+                    pbar.update(1)
+            pbar.set_postfix(output=f"{num_tokens / (perf_counter() - start):.0f} tok/s")
         pbar.close()
-
-    def _output(self, prompt: Prompt, seq: Sequence) -> RequestOutput:
-        ids = seq.completion_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer else ""
-        completion = CompletionOutput(0, text, ids, seq.finish_reason)
-        text_prompt = prompt.get("prompt") if isinstance(prompt, dict) else prompt
-        text_prompt = text_prompt if isinstance(text_prompt, str) else None
-        return RequestOutput(str(seq.seq_id), text_prompt, seq.prompt_token_ids,
-                             seq.num_cached_tokens, [completion])
+        return [finals[request_id] for request_id in states]
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params = None,
              use_tqdm: bool = True) -> list[RequestOutput]:

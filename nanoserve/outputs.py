@@ -6,7 +6,8 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS or a stop token) or "length" (max_tokens)
+    finish_reason: str | None  # "stop" (EOS, a stop token or string), "length" (max_tokens), None while running
+    stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
 
 
 @dataclass

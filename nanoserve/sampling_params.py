@@ -1,4 +1,13 @@
 from dataclasses import dataclass, field
+from enum import Enum
+
+
+class RequestOutputKind(Enum):
+    """What each streamed RequestOutput carries (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far
+    DELTA = 1  # the new text and token ids since the last output
+    FINAL_ONLY = 2  # one output, when the request finishes
 
 
 @dataclass
@@ -12,6 +21,10 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None  # per-request seed: the same seed gives the same sample
+    stop: str | list[str] | None = None  # stop when the text contains one (finish_reason "stop")
+    include_stop_str_in_output: bool = False
+    min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -22,3 +35,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 (disabled) or >= 1, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if "" in self.stop:
+            raise ValueError("stop: an empty string would stop at once")

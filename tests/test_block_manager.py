@@ -21,7 +21,7 @@ def allocated(bm: BlockManager, seq_id: int, token_ids) -> Sequence:
 def computed(bm: BlockManager, s: Sequence) -> Sequence:
     """What postprocess does after a forward: all tokens are computed, full blocks get registered."""
     start, s.num_computed_tokens = s.num_computed_tokens, len(s)
-    bm.hash_blocks(s, start)
+    bm.hash_blocks(s, start, len(s))
     return s
 
 

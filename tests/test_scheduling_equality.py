@@ -6,7 +6,7 @@ import pytest
 
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.llm_engine import LLMEngine
+from nanoserve.engine.core import EngineCore
 
 MAX_TOKENS = 24
 BLOCK_SIZE = 4
@@ -26,16 +26,18 @@ def requests(use_priority: bool) -> list[Request]:
     return [(0 if i < 3 else 3, prompt, params, int(use_priority and i < 3)) for i, prompt in enumerate(prompts)]
 
 
-def run(engine: LLMEngine, reqs: list[Request]) -> list[list[int]]:
+def run(engine: EngineCore, reqs: list[Request]) -> list[list[int]]:
     """Step the engine, adding each request at its arrival step; returns the completions in request order."""
-    pending, seqs, step = sorted(range(len(reqs)), key=lambda i: reqs[i][0]), {}, 0
-    while pending or not engine.is_finished():
+    pending, completions, step = sorted(range(len(reqs)), key=lambda i: reqs[i][0]), {}, 0
+    while pending or engine.has_unfinished_requests():
         while pending and reqs[pending[0]][0] <= step:
             i = pending.pop(0)
-            seqs[i] = engine.add_request(*reqs[i][1:])
-        engine.step()
+            engine.add_request(str(i), *reqs[i][1:])
+            completions[str(i)] = []
+        for out in engine.step_fn():
+            completions[out.request_id] += out.new_token_ids
         step += 1
-    return [seqs[i].completion_token_ids for i in range(len(reqs))]
+    return [completions[str(i)] for i in range(len(reqs))]
 
 
 @pytest.fixture(scope="module")

@@ -60,9 +60,9 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
 
 def check_step(out: SchedulerOutput, config: Config) -> None:
     assert len(out.seqs) <= config.max_num_seqs
-    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-        assert 1 <= n and seq.num_computed_tokens + n <= len(seq)
-        assert len(seq.block_table) * config.block_size >= seq.num_computed_tokens + n
+    for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+        assert 1 <= n and start + n == seq.num_computed_tokens <= len(seq)
+        assert len(seq.block_table) * config.block_size >= start + n
     if config.enable_chunked_prefill or out.is_prefill:
         assert sum(out.num_scheduled_tokens) <= config.max_num_batched_tokens
     else:  # nano-vllm's decode steps are bounded by max_num_seqs
@@ -81,14 +81,14 @@ def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int) -> None:
     """The batch writes its new tokens (all of them before anyone reads, as the model does); then each
     sequence's context, up to the end of its chunk, must be its own."""
     written = {}
-    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+    for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+        for p in range(start, start + n):
             slot = (seq.block_table[p // block_size], p % block_size)
             assert slot not in written, "two sequences write one KV slot in one step"
             written[slot] = tuple(seq.token_ids[: p + 1])
     kv.update(written)
-    for seq, n in zip(out.seqs, out.num_scheduled_tokens):
-        for p in range(seq.num_computed_tokens + n):
+    for seq in out.seqs:
+        for p in range(seq.num_computed_tokens):
             assert kv.get((seq.block_table[p // block_size], p % block_size)) == tuple(seq.token_ids[: p + 1])
 
 

@@ -98,15 +98,15 @@ class BlockManager:
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         return True
 
-    def hash_blocks(self, seq: Sequence, start: int) -> None:
-        """Register the blocks that became full of computed KV as seq's tokens from `start` were computed.
+    def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """Register the blocks that became full of computed KV as seq's tokens start..end were computed.
 
         Only after the forward: a block registered earlier could be hit while its KV is still unwritten
         (and stay so for good if that step fails).
         """
         if not self.enable_prefix_caching:
             return
-        for i in range(start // self.block_size, seq.num_computed_tokens // self.block_size):
+        for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
             prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
             if i > 0 and prefix_hash == -1:

@@ -1,3 +1,4 @@
+from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
@@ -16,6 +17,21 @@ from nanoserve.models import build_model
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.loader import load_weights
 from nanoserve.utils.memory import keep_freed_memory
+
+
+@dataclass
+class ModelInput:
+    """One step's batch as tensors, built on the host (with async scheduling, while the step before runs)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # the rows a next token is sampled from
+    sampling: dict  # prepare_sample's arguments for the sampler
+    min_tokens_mask: tuple[list[int], list[int]]  # (rows, token ids) whose logits are set to -inf
+    sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
+    placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
+    placeholder_seq_ids: list[int]  # ...for these sequences
 
 
 class ModelRunner:
@@ -51,6 +67,8 @@ class ModelRunner:
         if config.preemption_mode == "swap":
             self._allocate_host_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
+        self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         # Only flash-attn's decode is capturable: the PyTorch path plans each batch on the host.
         if self.use_flash_attn and not config.enforce_eager:
             self._capture_cudagraphs()
@@ -106,10 +124,12 @@ class ModelRunner:
         seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
         # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
         num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+        out = SchedulerOutput()
         for i, seq in enumerate(seqs):
             seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
             seq.num_computed_tokens = cfg.max_model_len - num_tokens
-        self.run(SchedulerOutput(seqs, [num_tokens] * num_seqs))
+            out.add(seq, num_tokens)
+        self.run(out)
         torch.cuda.synchronize()
         del self.kv_cache
         for layer in self.attn_layers:
@@ -122,16 +142,23 @@ class ModelRunner:
         return int(available) // self._block_bytes() - 1  # minus the scratch block
 
     # ---- one step ---------------------------------------------------------------------------
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                            torch.Tensor]:
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
         the rows whose logits are needed: the last one of each sequence that samples."""
+        if not out.seqs:  # everyone was preempted this step
+            return None
         input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows = [], [], [], [], [], []
+        placeholder_rows, placeholder_seq_ids = [], []
         bs = self.block_size
         seqs = out.seqs
-        for seq, num_tokens, do_sample in zip(seqs, out.num_scheduled_tokens, out.do_sample):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
+        for seq, start, num_tokens, do_sample in zip(seqs, out.num_computed_tokens, out.num_scheduled_tokens,
+                                                     out.do_sample):
+            end = start + num_tokens
             input_ids.extend(seq.token_ids[start:end])
+            if end > len(seq.token_ids):  # async scheduling: its last token is a placeholder (filled in later)
+                placeholder_rows.append(len(input_ids))
+                placeholder_seq_ids.append(seq.seq_id)
+                input_ids.append(0)
             positions.extend(range(start, end))
             q_lens.append(end - start)
             context_lens.append(end)
@@ -152,8 +179,11 @@ class ModelRunner:
             max_seqlen_q=max(q_lens),
             max_seqlen_k=max(context_lens),
         )
-        return (self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
-                self._tensor(logits_rows, torch.int64))
+        sampling = [seq for seq, do_sample in zip(seqs, out.do_sample) if do_sample]
+        return ModelInput(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64), meta,
+                          self._tensor(logits_rows, torch.int64), self.prepare_sample(sampling),
+                          self._min_tokens_mask(sampling),
+                          [seq.seq_id for seq in sampling], placeholder_rows, placeholder_seq_ids)
 
     def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
         pin = self.device.type == "cuda"  # pinned host memory lets the copy overlap with GPU work
@@ -169,6 +199,18 @@ class ModelRunner:
             generators=[seq.generator for seq in seqs],
         )
 
+    def _min_tokens_mask(self, seqs: list[Sequence]) -> tuple[list[int], list[int]]:
+        """(row, token) pairs to mask: EOS and the stop tokens, for a request that has fewer than min_tokens
+        output tokens before this one (vLLM's MinTokensLogitsProcessor)."""
+        rows, token_ids = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if seq.num_completion_tokens + seq.num_output_placeholders - 1 < p.min_tokens:
+                stop_ids = p.stop_token_ids + ([] if p.ignore_eos else self.config.eos_token_ids)
+                rows += [row] * len(stop_ids)
+                token_ids += stop_ids
+        return rows, token_ids
+
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   logits_rows: torch.Tensor) -> torch.Tensor:
@@ -181,15 +223,28 @@ class ModelRunner:
         return self.model.compute_logits(hidden[logits_rows])
 
     @torch.inference_mode()
-    def run(self, out: SchedulerOutput) -> list[int]:
-        """Copy swapped blocks, then run the batch; returns a token for each sequence that samples."""
+    def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
+        """Copy swapped blocks, fill in the placeholders, run the batch and sample: a token id per sequence that
+        samples, as a device tensor (no wait for it here). Steps run one at a time, in planning order."""
         self.swap_blocks(out)
-        if not out.seqs:  # everyone was preempted this step
-            return []
-        input_ids, positions, meta, logits_rows = self.prepare_inputs(out)
-        logits = self.run_model(input_ids, positions, meta, logits_rows)
-        sampling = [seq for seq, do_sample in zip(out.seqs, out.do_sample) if do_sample]
-        return self.sampler(logits, **self.prepare_sample(sampling)).tolist()
+        prev, self.prev_sampled = self.prev_sampled, None
+        if inputs is None:
+            return torch.empty(0, dtype=torch.int64)
+        if inputs.placeholder_rows and prev is not None:  # (None: that step failed, and so did its requests)
+            prev_rows, prev_tokens = prev
+            src = self._tensor([prev_rows[seq_id] for seq_id in inputs.placeholder_seq_ids], torch.int64)
+            inputs.input_ids[self._tensor(inputs.placeholder_rows, torch.int64)] = prev_tokens[src]
+        logits = self.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        mask_rows, mask_ids = inputs.min_tokens_mask
+        if mask_rows:
+            logits[mask_rows, mask_ids] = float("-inf")
+        sampled = self.sampler(logits, **inputs.sampling)
+        self.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
+        return sampled
+
+    def run(self, out: SchedulerOutput) -> list[int]:
+        """One synchronous step: prepare, execute, and wait for the sampled ids on the host."""
+        return self.execute_model(out, self.prepare_inputs(out)).tolist()
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     @torch.inference_mode()

@@ -28,13 +28,15 @@ class SchedulerStats:
 class SchedulerOutput:
     """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
 
-    seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens on; it samples a next
-    token only if that reaches its end (do_sample). The swap copies run before the forward. A step never has both
-    kinds (swap-ins wait for a step that preempted nobody), so the order of the copies does not matter.
+    seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens[i] on; it samples a next
+    token only if that reaches its end (do_sample[i]). The swap copies run before the forward. A step never has
+    both kinds (swap-ins wait for a step that preempted nobody), so the order of the copies does not matter.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # where each chunk starts
+    do_sample: list[bool] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
@@ -43,11 +45,8 @@ class SchedulerOutput:
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
-
-    @property
-    def do_sample(self) -> list[bool]:
-        """Per sequence: does this step reach its end, so that a next token is sampled? (Until postprocess.)"""
-        return [seq.num_computed_tokens + n == len(seq) for seq, n in zip(self.seqs, self.num_scheduled_tokens)]
+        self.num_computed_tokens.append(seq.num_computed_tokens)
+        self.do_sample.append(seq.num_computed_tokens + num_tokens == len(seq))
 
 
 def priority_key(seq: Sequence) -> tuple[int, int]:
@@ -90,6 +89,11 @@ class Scheduler:
         else:
             self._schedule_default(out)
         self.stats.num_prefill_steps += out.is_prefill
+        # The plan counts as done (vLLM V1): the next step, if planned before this one's output is back
+        # (async scheduling), starts where this one ends, with a placeholder for each token it samples.
+        for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
+            seq.num_computed_tokens += num_tokens
+            seq.num_output_placeholders += do_sample
         return out
 
     def _admit(self, seq: Sequence) -> None:
@@ -122,7 +126,7 @@ class Scheduler:
         num_batched_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if num_batched_tokens + len(seq) > self.max_num_batched_tokens:
+            if num_batched_tokens + len(seq) > self.max_num_batched_tokens or seq.num_output_placeholders:
                 break
             if not self.block_manager.allocate(seq):
                 break
@@ -175,7 +179,8 @@ class Scheduler:
             else:
                 self._schedule_waiting(out, budget)
         # A decode computes just the newest token, one the model generated; anything else is prefill work.
-        decodes = [seq.num_computed_tokens == len(seq) - 1 and seq.num_completion_tokens > 0 for seq in out.seqs]
+        decodes = [n == 1 and start >= seq.num_prompt_tokens
+                   for seq, n, start in zip(out.seqs, out.num_scheduled_tokens, out.num_computed_tokens)]
         out.is_prefill = not all(decodes)
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
@@ -184,7 +189,7 @@ class Scheduler:
             seq = self.waiting[0]
             # All of the prompt's blocks, though only a chunk may run now (V1 allocates per chunk):
             # simpler, and a prompt once started never stalls for memory halfway.
-            if not self.block_manager.allocate(seq):
+            if seq.num_output_placeholders or not self.block_manager.allocate(seq):
                 break
             self._admit(seq)
             budget -= self._schedule_chunk(seq, budget, out)
@@ -244,7 +249,8 @@ class Scheduler:
 
     # ---- after the forward ----------------------------------------------------------------------------
     def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is, returning its blocks; a failed call must not leak KV."""
+        """Drop a request wherever it is, returning its blocks: it was aborted or failed, or it finished
+        (also while preempted, when the step that sampled its last token was in flight)."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:
@@ -256,29 +262,33 @@ class Scheduler:
         seq.status = SequenceStatus.FINISHED
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Advance each sequence past the tokens it computed. One that reached its end gets its sampled token
-        (token_ids has one per such sequence, in batch order). Finish and free those that are done."""
+        """Take in a step's sampled tokens (one per sequence that samples, in batch order): append each to its
+        sequence and finish those that are done. Returns the sequences that got a token. A sequence that
+        finished while the step was in flight (async scheduling, or an abort) has its extra token dropped."""
         sampled = iter(token_ids)
-        finished = []
-        for seq, num_tokens in zip(out.seqs, out.num_scheduled_tokens):
-            start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + num_tokens
-            self.block_manager.hash_blocks(seq, start)  # their KV is written now: others may reuse it
-            if seq.num_computed_tokens < len(seq):  # a prompt chunk short of the end: nothing to sample yet
+        updated = []
+        for seq, start, num_tokens, do_sample in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens,
+                                                     out.do_sample):
+            token_id = next(sampled) if do_sample else None
+            if seq.is_finished:
+                continue
+            if seq.status == SequenceStatus.RUNNING:  # (a preempted one no longer holds these blocks)
+                self.block_manager.hash_blocks(seq, start, start + num_tokens)  # their KV is written now
+            if not do_sample:  # a prompt chunk short of the end: nothing to sample yet
                 self.stats.num_chunked_prefills += 1
                 continue
-            token_id = next(sampled)
+            seq.num_output_placeholders -= 1
             seq.append_token(token_id)
             self.stats.num_generated_tokens += 1
             seq.finish_reason = self._finish_reason(seq, token_id)
             if seq.finish_reason is not None:
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
-                finished.append(seq)
-        return finished
+                self.abort(seq)
+            updated.append(seq)
+        return updated
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
+        # (Before min_tokens the model runner masks EOS and the stop tokens, so they never come up here.)
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens:

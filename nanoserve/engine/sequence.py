@@ -16,8 +16,9 @@ class Sequence:
     """One request: its tokens, where their KV lives, and how far the model has got."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 priority: int = 0):
+                 priority: int = 0, request_id: str = ""):
         self.seq_id = seq_id  # ids count up in arrival order
+        self.request_id = request_id  # the caller's name for it
         self.priority = priority  # scheduling_policy="priority": lower values are served first
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -26,13 +27,16 @@ class Sequence:
         self.block_size = block_size
         self.block_table: list[int] = []  # logical block i of this sequence lives in physical block_table[i]
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache: the model resumes from here
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being computed): resume from here
+        # Async scheduling: tokens a step in flight is sampling, not yet known. They count in len(seq), so the
+        # next step is planned (blocks, positions) as if they were there (vLLM's num_output_placeholders).
+        self.num_output_placeholders = 0
         self.finish_reason: str | None = None
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
 
     def __len__(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) + self.num_output_placeholders
 
     @property
     def is_finished(self) -> bool:
@@ -52,7 +56,7 @@ class Sequence:
 
     @property
     def num_blocks(self) -> int:
-        return (len(self.token_ids) + self.block_size - 1) // self.block_size
+        return (len(self) + self.block_size - 1) // self.block_size
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]

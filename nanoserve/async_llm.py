@@ -1,0 +1,83 @@
+import asyncio
+import contextlib
+import queue
+import threading
+from collections.abc import AsyncIterator
+from itertools import count
+
+from nanoserve.engine.core import EngineCoreOutput
+from nanoserve.engine.output_processor import RequestState
+from nanoserve.llm import Prompt, make_engine, prompt_text, prompt_token_ids
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import SamplingParams
+
+
+class RequestQueues(dict):
+    """request_id -> (its event loop, its asyncio.Queue). This is the busy loop's output queue: the engine
+    thread hands each output over to the loop of the coroutine that waits for it."""
+
+    def put_nowait(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            entry = self.get(out.request_id)
+            if entry is not None:
+                loop, request_queue = entry
+                with contextlib.suppress(RuntimeError):  # that loop is closed: nobody listens any more
+                    loop.call_soon_threadsafe(request_queue.put_nowait, out)
+
+
+class AsyncLLM:
+    """The streaming front end (vLLM's AsyncLLM), constructed like LLM. The EngineCore's busy loop runs in a
+    background thread; `generate` sends a request down its input queue and yields RequestOutputs as steps
+    produce tokens. Leaving the `async for` early, or cancelling its task, aborts the request."""
+
+    def __init__(self, model: str | None = None, **kwargs):
+        self.engine_core = make_engine(model, kwargs)
+        self.config, self.tokenizer = self.engine_core.config, self.engine_core.tokenizer
+        self.input_queue: queue.Queue = queue.Queue()
+        self.queues = RequestQueues()
+        self.request_ids = count()
+        self.thread = threading.Thread(target=self.engine_core.run_busy_loop, args=(self.input_queue, self.queues),
+                                       name="nanoserve-engine-core", daemon=True)
+        self.thread.start()
+
+    async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
+                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        token_ids = prompt_token_ids(self.tokenizer, prompt)
+        request_id = str(next(self.request_ids)) if request_id is None else request_id
+        self.engine_core.check_request(token_ids, params, priority)  # a bad request fails here, not in the loop
+        if request_id in self.queues:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        if not self.thread.is_alive():
+            raise RuntimeError("AsyncLLM: the engine is shut down")
+        request_queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
+        self.queues[request_id] = asyncio.get_running_loop(), request_queue
+        self.input_queue.put(("add_request", request_id, token_ids, params, priority))
+        state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind)
+        finished = False
+        try:
+            while not finished:
+                out = await request_queue.get()
+                if out.error is not None:
+                    raise out.error
+                finished = out.finished
+                output = state.update(out)
+                if output is not None:
+                    yield output
+        finally:  # also when the caller stopped listening (break, cancel): free the request's blocks
+            del self.queues[request_id]
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self.input_queue.put(("abort_request", request_id))
+
+    def shutdown(self) -> None:
+        """Stop the busy loop; requests still running get an error instead of waiting forever."""
+        if self.thread.is_alive():
+            self.input_queue.put(("shutdown",))
+            self.thread.join()
+        self.engine_core.shutdown()
+        error = RuntimeError("AsyncLLM: the engine was shut down")
+        self.queues.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)
+                                for request_id in list(self.queues)])

@@ -1,0 +1,184 @@
+import os
+import queue
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from itertools import count
+
+from transformers import AutoTokenizer
+
+from nanoserve.config import Config
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.detokenizer import IncrementalDetokenizer
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.sequence import Sequence
+from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request (vLLM's name); the front ends turn these into RequestOutputs."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    error: BaseException | None = None  # the request failed (and is gone): the front end raises this
+
+
+class EngineCore:
+    """The engine (vLLM V1's EngineCore): owns the scheduler, the KV blocks and the model runner.
+    `step()` = schedule -> run the model -> update; the offline LLM calls it in a loop, AsyncLLM runs
+    `run_busy_loop` in a thread. With async_scheduling, `step_with_batch_queue` takes its place."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        swap_pool = None
+        if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
+            swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
+        self.scheduler = Scheduler(config, self.block_manager, swap_pool)
+        has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
+                            for f in ("tokenizer.json", "tokenizer_config.json"))
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.requests: dict[str, tuple[Sequence, IncrementalDetokenizer | None]] = {}
+        self.seq_ids = count()
+        # Async scheduling: the forwards run one after another in one executor thread, in planning order;
+        # the batch queue holds the (plan, future) of the steps in flight, at most two.
+        self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
+        self.executor = None
+        self.step_fn = self.step
+        if config.async_scheduling:
+            self.batch_queue, self.step_fn = deque(), self.step_with_batch_queue
+            self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+        """Reject what could never run, before any work starts, instead of failing or looping later."""
+        if not token_ids:
+            raise ValueError("prompt: must contain at least one token")
+        vocab_size = self.config.hf_config.vocab_size
+        bad = [t for t in token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
+        if priority != 0 and self.config.scheduling_policy != "priority":
+            raise ValueError(f"priority: got {priority}, but it needs scheduling_policy='priority'")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop: this model folder has no tokenizer, so there is no text to find stop strings in")
+        max_len = self.config.max_model_len
+        if len(token_ids) + params.max_tokens > max_len:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) "
+                             f"exceeds max_model_len ({max_len})")
+        num_blocks = -(-(len(token_ids) + params.max_tokens) // self.config.block_size)
+        if num_blocks > self.block_manager.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "
+                             f"{self.block_manager.num_blocks} (block_size {self.config.block_size})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    priority: int = 0) -> None:
+        self.check_request(prompt_token_ids, sampling_params, priority)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        seq = Sequence(next(self.seq_ids), prompt_token_ids, sampling_params, self.config.block_size, priority,
+                       request_id)
+        detokenizer = IncrementalDetokenizer(self.tokenizer, sampling_params) if self.tokenizer else None
+        self.requests[request_id] = seq, detokenizer
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request and free its blocks (a request that already finished is ignored)."""
+        if request_id in self.requests:
+            self.scheduler.abort(self.requests.pop(request_id)[0])
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests or self.batch_queue)
+
+    # ---- steps ------------------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        """Schedule, run the model, take in its output: one step, the forward in between."""
+        out = self.scheduler.schedule()
+        try:
+            token_ids = self.model_runner.run(out)
+        except Exception as error:
+            return self._fail(out.seqs + out.preempted, error)
+        return self._update_from_output(out, token_ids)
+
+    def step_with_batch_queue(self) -> list[EngineCoreOutput]:
+        """Async scheduling (vLLM's batch queue): plan step N+1 and build its inputs while step N's forward
+        runs in the executor thread, then wait for N and take in its output. Planning N+1 counts the token
+        N is sampling as a placeholder; the model runner takes it from N's sampled ids when N+1 runs."""
+        if not self.scheduler.is_finished() and len(self.batch_queue) < 2:
+            out = self.scheduler.schedule()
+            inputs = self.model_runner.prepare_inputs(out)
+            self.batch_queue.append((out, self.executor.submit(self.model_runner.execute_model, out, inputs)))
+            if len(self.batch_queue) < 2:
+                return []  # go plan the next step while this one runs
+        if not self.batch_queue:
+            return []
+        out, future = self.batch_queue.popleft()
+        try:
+            token_ids = future.result().tolist()
+        except Exception as error:
+            return self._fail(out.seqs + out.preempted, error)
+        return self._update_from_output(out, token_ids)
+
+    def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
+        """Append the sampled tokens, detokenize, look for stop strings, finish requests."""
+        outputs = []
+        for seq in self.scheduler.postprocess(out, token_ids):
+            token_id, params = seq.token_ids[-1], seq.sampling_params
+            stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
+            _, detokenizer = self.requests[seq.request_id]
+            new_text = ""
+            if detokenizer is not None:
+                stop = detokenizer.update(token_id, seq.is_finished)
+                if stop is not None and not seq.is_finished:
+                    self.scheduler.abort(seq)
+                if stop is not None:
+                    seq.finish_reason, stop_reason = "stop", stop
+                new_text = detokenizer.get_delta(seq.is_finished)
+            if seq.is_finished:
+                del self.requests[seq.request_id]
+            outputs.append(EngineCoreOutput(seq.request_id, [token_id], new_text, seq.is_finished,
+                                            seq.finish_reason, stop_reason, seq.num_cached_tokens))
+        return outputs
+
+    def _fail(self, seqs: list[Sequence], error: BaseException) -> list[EngineCoreOutput]:
+        """A step raised: exactly its requests fail (each caller gets the error) and free their blocks."""
+        failed = {seq.request_id for seq in seqs if seq.request_id in self.requests}
+        for request_id in failed:
+            self.abort_request(request_id)
+        return [EngineCoreOutput(request_id, [], finished=True, error=error) for request_id in failed]
+
+    # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
+    def run_busy_loop(self, input_queue: queue.Queue, output_queue) -> None:
+        """Take in ("add_request", ...) and ("abort_request", id), step while there is work, and put each
+        step's outputs on output_queue (anything with put_nowait). Ends on ("shutdown",)."""
+        while True:
+            # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
+            while not self.has_unfinished_requests() or not input_queue.empty():
+                method, *args = input_queue.get()
+                if method == "shutdown":
+                    return
+                try:
+                    getattr(self, method)(*args)
+                except ValueError as error:  # a bad request: its caller hears why, the others go on
+                    output_queue.put_nowait([EngineCoreOutput(args[0], [], finished=True, error=error)])
+            try:
+                outputs = self.step_fn()
+            except Exception as error:  # a bug outside the forward: fail everyone rather than leave them waiting
+                if self.batch_queue:
+                    self.batch_queue.clear()
+                outputs = self._fail([seq for seq, _ in self.requests.values()], error)
+            if outputs:
+                output_queue.put_nowait(outputs)
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
