@@ -51,11 +51,10 @@ def refuse_unsupported(request: SamplingRequest) -> None:
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int) -> SamplingParams:
     """room: what max_model_len leaves after the prompt, the default max_tokens (as in vLLM)."""
-    stop = [request.stop] if isinstance(request.stop, str) else request.stop or []
     return SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                           max_tokens=max(room, 1) if max_tokens is None else max_tokens, min_tokens=request.min_tokens,
                           ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids or [],
-                          stop=stop, include_stop_str_in_output=request.include_stop_str_in_output,
+                          stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
                           seed=request.seed, output_kind=RequestOutputKind.DELTA)
 
 
@@ -202,12 +201,9 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         if request.model not in (None, model_name):
             raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
         refuse_unsupported(request)
-        vocab_size = config.hf_config.vocab_size
         try:
             params = [sampling_params(request, max_tokens, config.max_model_len - len(p)) for p in prompts]
             for ids, sp in zip(prompts, params):
-                if any(not 0 <= t < vocab_size for t in ids):
-                    raise ValueError(f"prompt: token ids must be in [0, {vocab_size}) for this model")
                 core.check_request(ids, sp, request.priority)
         except ValueError as e:
             raise as_api_error(e, request) from e
