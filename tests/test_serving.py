@@ -1,7 +1,7 @@
 """`nanoserve serve`: a real server process on 127.0.0.1, driven by the official `openai` client and by httpx.
 
-One server for the module (the demo model, started through `python -m nanoserve.serving` with an API key),
-stopped by SIGTERM in the last test. Greedy answers are compared with the offline `LLM` on the same model.
+One server for the module (conftest's demo model, started through `python -m nanoserve.serving` with an API
+key), stopped by SIGTERM in the last test. Greedy answers are compared with the offline `LLM` on the same model.
 """
 import asyncio
 import os
@@ -45,13 +45,13 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(converted, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     port = free_port()
     env = {**os.environ, "NANOSERVE_API_KEY": API_KEY}  # the key through the environment; --api-key is the same
+    cmd = [sys.executable, "-m", "nanoserve.serving", str(converted[1]), "--port", str(port), *SERVER_FLAGS]
     with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "nanoserve.serving", "--port", str(port), *SERVER_FLAGS],
-                                   cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while True:
@@ -76,8 +76,8 @@ def client(server) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def llm() -> LLM:
-    return LLM(max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25)
+def llm(converted) -> LLM:
+    return LLM(str(converted[1]), max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -90,7 +90,7 @@ def scrape(server: Server) -> dict[str, float]:
             if "le" not in s.labels and not s.name.endswith("_created")}
 
 
-def wait_until_idle(server: Server, timeout: float = 5.0) -> float:
+def wait_until_idle(server: Server, timeout: float = 60) -> float:
     """Seconds until the engine has nothing running or waiting and every KV block is free."""
     start = time.monotonic()
     while True:
@@ -98,7 +98,7 @@ def wait_until_idle(server: Server, timeout: float = 5.0) -> float:
         if (m["nanoserve:num_requests_running"], m["nanoserve:num_requests_waiting"],
                 m["nanoserve:kv_cache_usage_perc"]) == (0, 0, 0):
             return time.monotonic() - start
-        assert time.monotonic() - start < timeout, f"not idle after {timeout} s: {m}"
+        assert time.monotonic() - start < timeout, f"not idle after {timeout} s (a loaded machine?): {m}"
         time.sleep(0.02)
 
 
@@ -225,18 +225,18 @@ def test_client_disconnect_aborts_the_request(server):
         assert sum(1 for line, _ in zip(lines, range(3)) if line.startswith("data: ")) >= 1
         busy = scrape(server)
         assert busy["nanoserve:num_requests_running"] == 1 and busy["nanoserve:kv_cache_usage_perc"] > 0
-    # leaving the block closed the connection: the engine aborts the request and frees its blocks at once
-    assert wait_until_idle(server, timeout=3) < 3
-    generated = scrape(server)["nanoserve:generation_tokens_total"]
-    time.sleep(0.3)
-    assert scrape(server)["nanoserve:generation_tokens_total"] == generated
-    assert generated - busy["nanoserve:generation_tokens_total"] < 100  # stopped long before its 400 tokens
+    # leaving the block closed the connection: the request is aborted and its blocks freed after a step or two
+    wait_until_idle(server)
+    num_generated = scrape(server)["nanoserve:generation_tokens_total"] - busy["nanoserve:generation_tokens_total"]
+    assert num_generated <= 3  # the engine's own count: the step that ran while we scraped, and one more
 
     # a non-streamed request whose client gives up (a timeout) is aborted too
     body = dict(model=MODEL, prompt="Another long story.", max_tokens=400, ignore_eos=True)
+    before = scrape(server)["nanoserve:generation_tokens_total"]
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=1.0)
-    wait_until_idle(server, timeout=3)
+    wait_until_idle(server)
+    assert scrape(server)["nanoserve:generation_tokens_total"] - before < 400
 
 
 BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server must refuse

@@ -1,13 +1,14 @@
 """Prometheus metrics with vLLM's names under a `nanoserve:` prefix (GET /metrics).
 
 Two sources. The engine's state (queues, KV blocks) and its counters (`scheduler.stats`) are read when /metrics
-is scraped, by a collector: nothing is counted twice. Per-request latencies are measured here, in the server,
-around each request's output stream, from the moment its HTTP request arrived.
+is scraped, by a collector: nothing is counted twice, and the token counters show the engine's own work (an
+aborted request stops adding to them). Per-request latencies are measured here, in the server, around each
+request's output stream, from the moment its HTTP request arrived.
 """
 from collections.abc import AsyncIterator
 from time import perf_counter
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -35,6 +36,9 @@ class EngineCollector(Collector):
                                     1 - blocks.num_free_blocks / blocks.num_blocks),
         }
         counters = {
+            "prompt_tokens": ("Prompt tokens admitted by prefills (a preempted request's count again)",
+                              stats.num_prompt_tokens),
+            "generation_tokens": ("Tokens generated", stats.num_generated_tokens),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.num_prompt_tokens),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.num_cached_tokens),
             "num_preemptions": ("Requests preempted (recomputed or swapped out)", stats.num_preemptions),
@@ -56,17 +60,14 @@ class Metrics:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(core, model_name))
 
-        def make(kind, name, doc, **kwargs):
-            return kind(f"nanoserve:{name}", doc, ["model_name"], registry=self.registry, **kwargs).labels(model_name)
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"nanoserve:{name}", doc, ["model_name"], registry=self.registry,
+                             buckets=buckets).labels(model_name)
 
-        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of the requests served")
-        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated")
-        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token",
-                         buckets=TTFT_BUCKETS)
-        self.tpot = make(Histogram, "time_per_output_token_seconds", "Mean time per output token after the first",
-                         buckets=TPOT_BUCKETS)
-        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Request latency, arrival to last token",
-                        buckets=E2E_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token", E2E_BUCKETS)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -79,9 +80,7 @@ class Metrics:
             if first_token_time is None and new_tokens:
                 first_token_time = perf_counter()
                 self.ttft.observe(first_token_time - arrival)
-                self.prompt_tokens.inc(len(out.prompt_token_ids))
             num_tokens += new_tokens
-            self.generation_tokens.inc(new_tokens)
             if out.finished:
                 now = perf_counter()
                 self.e2e.observe(now - arrival)
