@@ -20,6 +20,7 @@ from fastapi.responses import Response as HTTPResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 
+from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.serving.metrics import Metrics
@@ -229,11 +230,16 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         prompts = request.prompt
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        token_ids = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
+        try:  # as LLM.generate does it: text through the tokenizer, token ids as they are
+            token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
+        except ValueError as e:
+            raise as_api_error(e, request) from e
         return await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        if tokenizer is None:
+            raise APIError(400, "messages: this model folder has no tokenizer, so no chat template", "messages")
         conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
             text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
@@ -241,7 +247,8 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e
         # As in LLM.chat: the template already holds any special tokens, so encode must not add them again.
         token_ids = tokenizer.encode(text, add_special_tokens=False)
-        return await answer(request, raw, [token_ids], request.max_completion_tokens or request.max_tokens, chat=True)
+        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+        return await answer(request, raw, [token_ids], max_tokens, chat=True)
 
     @v1.get("/models")
     async def models():
