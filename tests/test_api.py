@@ -59,6 +59,8 @@ def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
     ([], GREEDY, ["prompt", "at least one token"]),
     ({"prompt_token_ids": []}, GREEDY, ["prompt", "at least one token"]),
     (list(range(3, 43)), SamplingParams(max_tokens=9), ["prompt (40 tokens)", "max_tokens (9)", "max_model_len (48)"]),
+    ([5, 512, 6], GREEDY, ["prompt", "[0, vocab_size=512)", "[512]"]),
+    ({"prompt_token_ids": [-1, 5]}, GREEDY, ["prompt", "[0, vocab_size=512)", "[-1]"]),
 ])
 def test_bad_prompt_rejects_the_whole_batch(llm, expected, prompt, params, words):
     num_steps = llm.stats.num_steps
@@ -89,6 +91,8 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(top_p=1.5), ["top_p", "(0, 1]", "got 1.5"]),
     (dict(top_k=0), ["top_k", ">= 1", "got 0"]),
     (dict(top_k=-2), ["top_k", ">= 1", "got -2"]),
+    (dict(min_tokens=17), ["min_tokens", "[0, max_tokens=16]", "got 17"]),
+    (dict(stop=["ok", ""]), ["stop", "empty string"]),
 ])
 def test_bad_sampling_params(kwargs, words):
     with pytest.raises(ValueError) as e:
@@ -119,9 +123,11 @@ def test_unknown_option_lists_the_options(tiny_models):
     assert "unknown option(s) ['max_num_seq']" in str(e.value) and "'max_num_seqs'" in str(e.value)
 
 
-def test_text_prompt_without_tokenizer(llm, expected):
+def test_text_prompt_or_stop_string_without_tokenizer(llm, expected):
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("Hello", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop: .*no tokenizer"):
+        llm.generate(PROMPTS[0], SamplingParams(stop="."), use_tqdm=False)
     assert_usable(llm, expected)
 
 

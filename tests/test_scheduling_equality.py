@@ -1,5 +1,6 @@
 """Every combination of the scheduling options changes the batches, never the output: greedy output equals
-transformers, with a KV pool small enough that preemption (and swapping) really happens."""
+transformers, with a KV pool small enough that preemption (and swapping) really happens, with and without
+async scheduling (step N+1 planned while step N runs)."""
 import random
 
 import pytest
@@ -46,15 +47,17 @@ def expected(tiny_models):
     return {arch: hf_greedy(tiny_models[arch], prompts, MAX_TOKENS) for arch in ARCHS}
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True])
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunked, policy, mode", COMBOS)
-def test_every_combination_equals_transformers(tiny_models, expected, chunked, policy, mode, prefix_caching):
+def test_every_combination_equals_transformers(tiny_models, expected, chunked, policy, mode, prefix_caching,
+                                               async_scheduling):
     arch = ARCHS[COMBOS.index((chunked, policy, mode)) % len(ARCHS)]
     # 16 blocks of 4 tokens: the longest request (62 tokens) fits alone, the six together do not.
     llm = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=16, max_model_len=64,
               max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked,
               scheduling_policy=policy, preemption_mode=mode, swap_space=24 * BLOCK_BYTES / 2**30,
-              enable_prefix_caching=prefix_caching)
+              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
     assert run(llm.engine, requests(policy == "priority")) == expected[arch]
     stats = llm.stats
     assert stats.num_preemptions > 0
@@ -75,7 +78,8 @@ def test_every_combination_equals_transformers(tiny_models, expected, chunked, p
 
 @pytest.mark.parametrize("seed", range(6))
 def test_random_traffic_equals_an_unconstrained_pool(tiny_models, seed):
-    """Random options, arrivals, lengths, priorities and pool sizes against one roomy default engine."""
+    """Random options, arrivals, lengths, priorities and pool sizes against one roomy default engine
+    (odd seeds schedule asynchronously)."""
     rng = random.Random(seed)
     arch = ARCHS[seed % len(ARCHS)]
     chunked, policy = rng.random() < 0.5, rng.choice(["fcfs", "priority"])
@@ -88,7 +92,7 @@ def test_random_traffic_equals_an_unconstrained_pool(tiny_models, seed):
               max_model_len=64, max_num_batched_tokens=rng.randint(4, 32) if chunked else 64,
               enable_chunked_prefill=chunked, scheduling_policy=policy,
               preemption_mode=rng.choice(["recompute", "swap"]), enable_prefix_caching=rng.random() < 0.5,
-              swap_space=rng.randint(1, 2 * largest) * BLOCK_BYTES / 2**30)
+              swap_space=rng.randint(1, 2 * largest) * BLOCK_BYTES / 2**30, async_scheduling=seed % 2 == 1)
     roomy = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=256, max_model_len=64)
     assert run(llm.engine, reqs) == run(roomy.engine, [(t, p, sp, 0) for t, p, sp, _ in reqs])
     assert llm.stats.num_preemptions > 0 and roomy.stats.num_preemptions == 0
