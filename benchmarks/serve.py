@@ -44,6 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, nargs=2, default=(32, 256), metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=(16, 64), metavar=("MIN", "MAX"))
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--kv-blocks", type=int, default=728, help="KV cache of both servers, in blocks of 16 tokens")
+    p.add_argument("--max-batch-tokens", type=int, default=2048, help="both servers' token budget per step")
     p.add_argument("--no-transformers", action="store_true", help="skip the transformers peer")
     p.add_argument("--nanoserve-flags", default="", help="extra flags for `nanoserve serve`, one string")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
@@ -81,10 +83,14 @@ def start_server(cmd: list[str], url: str, log) -> subprocess.Popen:
 
 def servers(path: str, args) -> dict[str, tuple[list[str], str, dict]]:
     """name -> (command without the port, model name to send, extra request fields for exact lengths)."""
+    # The same KV cache and step budget for both (transformers would otherwise size its cache from free RAM).
     nano = [sys.executable, "-m", "nanoserve.serving", path, "--served-model-name", "bench",
-            "--uvicorn-log-level", "warning", *args.nanoserve_flags.split()]
+            "--uvicorn-log-level", "warning", "--block-size", "16", "--num-kvcache-blocks", str(args.kv_blocks),
+            "--max-num-batched-tokens", str(args.max_batch_tokens), "--max-model-len", str(args.max_batch_tokens),
+            *args.nanoserve_flags.split()]
     hf = ["transformers", "serve", "--continuous-batching", "--device", "cpu", "--dtype", "float32",
-          "--host", "127.0.0.1", path]
+          "--host", "127.0.0.1", "--cb-block-size", "16", "--cb-num-blocks", str(args.kv_blocks),
+          "--cb-max-batch-tokens", str(args.max_batch_tokens), path]
     result = {"nanoserve": (nano, "bench", lambda n: {"ignore_eos": True})}
     if not args.no_transformers:  # its generation config replaces the model's: no EOS, greedy, n tokens
         result["transformers"] = (hf, path, lambda n: {"generation_config": json.dumps(
@@ -175,13 +181,16 @@ def main(argv=None) -> dict:
     load = os.getloadavg()[0]  # other work on the machine skews CPU timings
     print(f"{len(workload)} requests, output {sum(n for _, n in workload)} tokens, rates {args.request_rate}, "
           f"load average {load:.2f}")
-    results = {}
+    results, commands = {}, {}
     with tempfile.NamedTemporaryFile("w", prefix="serve-bench-", suffix=".log", delete=False) as log:
         for name, (cmd, model, extra) in servers(path, args).items():
             results[name] = bench_server(name, cmd, model, extra, workload, args, log)
+            commands[name] = " ".join(cmd[1:] if name == "nanoserve" else cmd)
     print_table(results)
-    report = dict(model=args.model or "default", load_avg_1min=load, num_prompts=args.num_prompts,
-                  input_len=args.input_len, output_len=args.output_len, seed=args.seed, results=results)
+    print(f"load average at the end: {os.getloadavg()[0]:.2f}; server logs: {log.name}")
+    report = dict(model=args.model or "default", load_avg_1min=load, load_avg_1min_end=os.getloadavg()[0],
+                  num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
+                  seed=args.seed, commands=commands, results=results)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
