@@ -140,9 +140,8 @@ class EngineCore:
             new_text = ""
             if detokenizer is not None:
                 stop = detokenizer.update(token_id, seq.is_finished)
-                if stop is not None and not seq.is_finished:
+                if stop is not None:  # its text holds a stop string: it finishes here
                     self.scheduler.abort(seq)
-                if stop is not None:
                     seq.finish_reason, stop_reason = "stop", stop
                 new_text = detokenizer.get_delta(seq.is_finished)
             if seq.is_finished:

@@ -97,7 +97,8 @@ class Scheduler:
         return out
 
     def _admit(self, seq: Sequence) -> None:
-        """The waiting head got its blocks: it runs from now on."""
+        """The waiting head got its blocks: it runs from now on. (One preempted by this very step waits for the
+        next: with async scheduling, a step that computes it may still be in flight, its KV and token unknown.)"""
         self.waiting.popleft()
         seq.status = SequenceStatus.RUNNING
         self._enqueue(self.running, seq)
@@ -126,7 +127,7 @@ class Scheduler:
         num_batched_tokens = 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if num_batched_tokens + len(seq) > self.max_num_batched_tokens or seq.num_output_placeholders:
+            if num_batched_tokens + len(seq) > self.max_num_batched_tokens or seq in out.preempted:
                 break
             if not self.block_manager.allocate(seq):
                 break
@@ -189,7 +190,7 @@ class Scheduler:
             seq = self.waiting[0]
             # All of the prompt's blocks, though only a chunk may run now (V1 allocates per chunk):
             # simpler, and a prompt once started never stalls for memory halfway.
-            if seq.num_output_placeholders or not self.block_manager.allocate(seq):
+            if seq in out.preempted or not self.block_manager.allocate(seq):
                 break
             self._admit(seq)
             budget -= self._schedule_chunk(seq, budget, out)
