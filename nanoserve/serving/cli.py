@@ -1,8 +1,8 @@
 """`nanoserve serve [MODEL]` (and `python -m nanoserve.serving [MODEL]`): start the OpenAI-compatible server.
 
 Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also as
-`--no-...`). The flags are generated from the fields of `Config` (and of `AsyncLLM`'s own options), with the
-comment beside each field as its help, so an option is written down once.
+`--no-...`). The flags are generated from the fields of `Config`, with the comment beside each field as its
+help, so an option is written down once.
 """
 import argparse
 import asyncio
