@@ -102,6 +102,22 @@ def wait_until_idle(server: Server, timeout: float = 60) -> float:
         time.sleep(0.02)
 
 
+def test_cli_flags(tiny_models, capsys):
+    """`nanoserve serve`: one flag per engine option in vLLM's spelling; a bad value exits 2 naming the field."""
+    from nanoserve.serving.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--max-num-seqs", "--enable-chunked-prefill", "--no-enable-prefix-caching", "--scheduling-policy",
+                 "--async-scheduling", "--served-model-name", "--api-key", "--port"):
+        assert flag in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", tiny_models["llama"], "--max-num-seqs", "0"])
+    assert exit_info.value.code == 2 and "max_num_seqs must be >= 1" in capsys.readouterr().err
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
