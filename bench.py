@@ -22,6 +22,8 @@ import json
 import os
 import platform
 import random
+import runpy
+import sys
 import tempfile
 from time import perf_counter
 
@@ -480,4 +482,9 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    if "--serve" in sys.argv:  # the online benchmark (HTTP streaming, Poisson arrivals): benchmarks/serve.py
+        sys.argv.remove("--serve")
+        runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "serve.py"),
+                       run_name="__main__")
+    else:
+        main()

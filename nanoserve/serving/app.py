@@ -1,0 +1,294 @@
+"""The FastAPI app: OpenAI's routes on top of `AsyncLLM`.
+
+A request's path: FastAPI parses the JSON into a `protocol` model (400 if it does not fit) -> the route turns
+the prompt or the chat messages into token ids and the fields into a `SamplingParams`, and the engine checks
+them (400 if it refuses) -> one `engine.generate(...)` stream per prompt; the engine core's busy loop puts the
+request into its scheduler's waiting queue and, step after step, sends back the newly decoded text (DELTA
+outputs) -> the route forwards each piece as a server-sent event, or gathers them into one JSON answer.
+A client that goes away cancels the task that iterates its stream, which aborts the request in the engine.
+"""
+import asyncio
+import json
+import uuid
+from collections.abc import AsyncIterator
+from time import perf_counter
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response as HTTPResponse
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+
+from nanoserve.llm import prompt_token_ids
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.metrics import Metrics
+from nanoserve.serving.protocol import (
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionRequest,
+    CompletionChoice,
+    CompletionRequest,
+    DeltaMessage,
+    Response,
+    SamplingRequest,
+    Usage,
+)
+
+Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta output), in the order they come
+
+
+# ---- from the request to the engine ----------------------------------------------------------------
+def refuse_unsupported(request: SamplingRequest) -> None:
+    if request.n != 1:
+        raise APIError(400, f"n: only n=1 is supported (got {request.n}); the engine has no parallel sampling yet",
+                       "n")
+    for name in ("logprobs", "top_logprobs", "echo"):
+        if getattr(request, name, None) not in (None, False):
+            raise APIError(400, f"{name}: not supported by nanoserve's engine yet", name)
+
+
+def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int) -> SamplingParams:
+    """room: what max_model_len leaves after the prompt, the default max_tokens (as in vLLM)."""
+    return SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                          max_tokens=max(room, 1) if max_tokens is None else max_tokens, min_tokens=request.min_tokens,
+                          ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids or [],
+                          stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
+                          seed=request.seed, output_kind=RequestOutputKind.DELTA)
+
+
+def as_api_error(e: ValueError, request: SamplingRequest) -> APIError:
+    """The engine's messages start with the field they are about ("temperature must be ..."): that is `param`."""
+    first_word = str(e).split(" ", 1)[0].rstrip(":")
+    fields = type(request).model_fields
+    return APIError(400, str(e), first_word if first_word in fields else None)
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]], shutting_down: asyncio.Event) -> Outputs:
+    """Interleave the prompts' streams as their outputs come. Closing this cancels them all, which aborts them
+    in the engine; so does a server shutdown whose grace period ran out (then this raises a 503)."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in stream:
+                await queue.put((index, out, None))
+            await queue.put((index, None, None))
+        except Exception as e:  # handed to the reader, who re-raises it
+            await queue.put((index, None, e))
+
+    async def watch() -> None:
+        await shutting_down.wait()
+        await queue.put((-1, None, APIError(503, "the server is shutting down: request aborted", type="server_error")))
+
+    tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(streams)] + [asyncio.create_task(watch())]
+    try:
+        num_running = len(streams)
+        while num_running:
+            index, out, error = await queue.get()
+            if error is not None:
+                raise error
+            if out is None:
+                num_running -= 1
+            else:
+                yield index, out
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+# ---- from the engine back to the client -------------------------------------------------------------
+def make_choice(chat: bool, stream: bool, index: int, text: str, finish_reason=None, stop_reason=None):
+    kw = dict(index=index, finish_reason=finish_reason, stop_reason=stop_reason)
+    if not chat:
+        return CompletionChoice(text=text, **kw)
+    if stream:
+        return ChatChunkChoice(delta=DeltaMessage(content=text), **kw)
+    return ChatChoice(message=DeltaMessage(role="assistant", content=text), **kw)
+
+
+async def collect(outputs: Outputs, header: dict, chat: bool) -> Response:
+    """The whole answer at once: the deltas of each prompt joined."""
+    texts, num_tokens, endings, usage = {}, {}, {}, Usage()
+    async for i, out in outputs:
+        c = out.outputs[0]
+        texts[i] = texts.get(i, "") + c.text
+        num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
+        if out.finished:
+            endings[i] = (c.finish_reason, c.stop_reason)
+            usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
+    choices = [make_choice(chat, False, i, texts[i], *endings[i]) for i in sorted(texts)]
+    return Response(**header, choices=choices, usage=usage)
+
+
+def event(response: Response | dict | str) -> str:
+    data = response.model_dump_json() if isinstance(response, Response) else \
+        response if isinstance(response, str) else json.dumps(response)
+    return f"data: {data}\n\n"
+
+
+async def stream_events(outputs: Outputs, header: dict, chat: bool, num_prompts: int,
+                        include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per delta, a last chunk with finish_reason, usage if asked, then [DONE]."""
+    num_tokens, usage = {}, Usage()
+    try:
+        if chat:  # OpenAI's first chunk names the role
+            choices = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
+                       for i in range(num_prompts)]
+            yield event(Response(**header, choices=choices))
+        async for i, out in outputs:
+            c = out.outputs[0]
+            num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
+            if c.text or out.finished:
+                choice = make_choice(chat, True, i, c.text, c.finish_reason, c.stop_reason)
+                yield event(Response(**header, choices=[choice]))
+            if out.finished:
+                usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
+        if include_usage:
+            yield event(Response(**header, choices=[], usage=usage))
+    except Exception as e:  # the status line is sent already: report the error in the stream, as vLLM does
+        error = e if isinstance(e, APIError) else APIError(500, f"{type(e).__name__}: {e}", type="server_error")
+        yield event(error.body())
+    yield event("[DONE]")
+
+
+async def cancel_on_disconnect(work, raw: Request):
+    """Run `work` (a non-streamed answer) unless the client disconnects first; then cancel it (aborting)."""
+    async def disconnected() -> None:
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    watch.cancel()
+    if not task.done():
+        task.cancel()
+        return HTTPResponse(status_code=499)  # nobody reads it: nginx's "client closed request"
+    return task.result()
+
+
+# ---- the app ---------------------------------------------------------------------------------------
+class APIKeyMiddleware:
+    """Every /v1 route needs `Authorization: Bearer KEY` (plain ASGI, so that streams pass through untouched)."""
+
+    def __init__(self, app, api_key: str):
+        self.app, self.expected = app, f"Bearer {api_key}"
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1") and \
+                Headers(scope=scope).get("authorization") != self.expected:
+            error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
+                             code="invalid_api_key")
+            return await JSONResponse(error.body(), 401)(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
+    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name."""
+    core, tokenizer = engine.engine_core, engine.tokenizer
+    config = core.config
+    metrics = Metrics(core, model_name)
+    app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for the nanoserve engine")
+    app.state.shutting_down = asyncio.Event()  # set when a shutdown's grace period is over: abort what runs
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    v1 = APIRouter(prefix="/v1")
+
+    def start(request: SamplingRequest, prompts: list[list[int]], max_tokens: int | None) -> Outputs:
+        """Check everything, then submit one engine request per prompt: bad input is a 400 before any work."""
+        arrival = perf_counter()
+        if request.model not in (None, model_name):
+            raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
+        refuse_unsupported(request)
+        try:
+            params = [sampling_params(request, max_tokens, config.max_model_len - len(p)) for p in prompts]
+            for ids, sp in zip(prompts, params):
+                core.check_request(ids, sp, request.priority)
+        except ValueError as e:
+            raise as_api_error(e, request) from e
+        request_id = uuid.uuid4().hex
+        streams = [metrics.observe(engine.generate(ids, sp, request_id=f"{request_id}-{i}",
+                                                   priority=request.priority), arrival)
+                   for i, (ids, sp) in enumerate(zip(prompts, params))]
+        return merge(streams, app.state.shutting_down)
+
+    async def answer(request: SamplingRequest, raw: Request, prompts: list[list[int]], max_tokens: int | None,
+                     chat: bool):
+        outputs = start(request, prompts, max_tokens)
+        kind = ("chat.completion.chunk" if request.stream else "chat.completion") if chat else "text_completion"
+        header = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind, model=model_name)
+        if request.stream:
+            include_usage = request.stream_options is not None and request.stream_options.include_usage
+            return StreamingResponse(stream_events(outputs, header, chat, len(prompts), include_usage),
+                                     media_type="text/event-stream")
+        return await cancel_on_disconnect(collect(outputs, header, chat), raw)
+
+    @v1.post("/completions")
+    async def completions(request: CompletionRequest, raw: Request):
+        prompts = request.prompt
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        try:  # as LLM.generate does it: text through the tokenizer, token ids as they are
+            token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
+        except ValueError as e:
+            raise as_api_error(e, request) from e
+        return await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest, raw: Request):
+        if tokenizer is None:
+            raise APIError(400, "messages: this model folder has no tokenizer, so no chat template", "messages")
+        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        try:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (jinja2 raises for roles it does not know)
+            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e
+        # As in LLM.chat: the template already holds any special tokens, so encode must not add them again.
+        token_ids = tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+        return await answer(request, raw, [token_ids], max_tokens, chat=True)
+
+    @v1.get("/models")
+    async def models():
+        card = dict(id=model_name, object="model", created=0, owned_by="nanoserve", max_model_len=config.max_model_len)
+        return {"object": "list", "data": [card]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health():
+        return {}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return HTTPResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    add_error_handlers(app)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    @app.exception_handler(APIError)
+    async def api_error(_, e: APIError):
+        return JSONResponse(e.body(), e.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_, e: RequestValidationError):  # malformed JSON, missing fields, wrong types
+        errors = e.errors()  # each with a `loc` such as ("body", "prompt") or, for malformed JSON, ("body", 15)
+        param = next((part for part in errors[0]["loc"][1:] if isinstance(part, str)), None) if errors else None
+        return await api_error(None, APIError(400, "; ".join(map(describe, errors)) or "invalid request", param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, e: HTTPException):  # an unknown route (404), a wrong method (405)
+        return await api_error(None, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+
+def describe(error: dict) -> str:
+    """One of pydantic's validation errors as a line that names the field."""
+    if error["type"] == "json_invalid":
+        return f"body: malformed JSON at character {error['loc'][-1]}: {error.get('ctx', {}).get('error', '')}"
+    return f"{'.'.join(map(str, error['loc'][1:])) or 'body'}: {error['msg']}"

@@ -1,0 +1,121 @@
+"""`nanoserve serve [MODEL]` (and `python -m nanoserve.serving [MODEL]`): start the OpenAI-compatible server.
+
+Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also as
+`--no-...`). The flags are generated from the fields of `Config`, with the comment beside each field as its
+help, so an option is written down once.
+"""
+import argparse
+import asyncio
+import inspect
+import logging
+import os
+import re
+import types
+import typing
+from dataclasses import MISSING, fields
+
+import uvicorn
+
+from nanoserve.async_llm import AsyncLLM
+from nanoserve.config import Config
+from nanoserve.serving.app import build_app
+
+logger = logging.getLogger("nanoserve.serving")
+
+
+def field_comments(cls) -> dict[str, str]:
+    """`name: type = default  # comment` lines of a dataclass's source -> {name: comment}."""
+    pattern = re.compile(r"^\s+(\w+):[^#]*#\s*(.+)$")
+    return {m[1]: m[2] for m in map(pattern.match, inspect.getsource(cls).splitlines()) if m}
+
+
+def add_engine_flags(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine options (LLM(model, **options), vLLM's names)")
+    comments = field_comments(Config)
+    for f in fields(Config):
+        if not f.init or f.name == "model":
+            continue
+        default = None if f.default is MISSING else f.default
+        help_text = f"{comments.get(f.name, '')} (default: {default})".lstrip().replace("%", "%%")
+        flag = "--" + f.name.replace("_", "-")
+        if f.type is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        else:  # int, float, str, or `X | None`: the value's type is X
+            kind = next(t for t in typing.get_args(f.type) if t is not type(None)) \
+                if isinstance(f.type, types.UnionType) else f.type
+            group.add_argument(flag, type=kind, default=default, help=help_text)
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in fields(Config) if f.init and f.name != "model"}
+
+
+def add_serve_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", nargs="?", default=None,
+                        help="a model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the name clients send as `model` (default: MODEL, or the demo model's name)")
+    parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
+                        help="require `Authorization: Bearer KEY` on /v1 (default: $NANOSERVE_API_KEY)")
+    parser.add_argument("--uvicorn-log-level", default="info",
+                        choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--shutdown-timeout", type=float, default=10.0,
+                        help="on SIGTERM/Ctrl-C, seconds to let running requests finish before aborting them")
+    add_engine_flags(parser)
+
+
+class Server(uvicorn.Server):
+    """uvicorn, stopped by SIGINT/SIGTERM: it stops accepting connections and lets running requests finish; after
+    `grace` seconds the app aborts those still running (their streams end with an error event). uvicorn would
+    re-raise the signal once it is done; a server stopped on purpose has done its job, so it exits 0 instead."""
+
+    def __init__(self, config: uvicorn.Config, grace: float):
+        super().__init__(config)
+        self.grace, self.loop = grace, asyncio.get_running_loop()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+        self.loop.call_soon_threadsafe(self.loop.call_later, self.grace, self.config.app.state.shutting_down.set)
+
+
+async def serve(args: argparse.Namespace) -> None:
+    engine = AsyncLLM(args.model, **engine_options(args))
+    try:
+        name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+        app = build_app(engine, name, args.api_key)
+        # uvicorn's own deadline is a backstop: by then the app has ended every stream itself
+        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                                timeout_graceful_shutdown=args.shutdown_timeout + 5)
+        logger.warning("serving %s on http://%s:%d", name, args.host, args.port)
+        await Server(config, grace=args.shutdown_timeout).serve()
+    finally:
+        engine.shutdown()  # stops the engine's busy loop
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(serve(args))
+    except ValueError as e:  # a bad option or model: the engine names it
+        parser.error(str(e))
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The `nanoserve` console script: `nanoserve serve [MODEL] [flags]`."""
+    parser = argparse.ArgumentParser(prog="nanoserve", description="nanoserve: a small, readable LLM engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server",
+                                       description=__doc__.split("\n\n")[0])
+    add_serve_flags(serve_parser)
+    args = parser.parse_args(argv)
+    run(args, serve_parser)
+
+
+def serve_main(argv: list[str] | None = None) -> None:
+    """`python -m nanoserve.serving [MODEL] [flags]`, the same as `nanoserve serve`."""
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.serving", description=__doc__.split("\n\n")[0])
+    add_serve_flags(parser)
+    run(parser.parse_args(argv), parser)

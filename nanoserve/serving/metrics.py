@@ -1,0 +1,89 @@
+"""Prometheus metrics with vLLM's names under a `nanoserve:` prefix (GET /metrics).
+
+Two sources. The engine's state (queues, KV blocks) and its counters (`scheduler.stats`) are read when /metrics
+is scraped, by a collector: nothing is counted twice, and the token counters show the engine's own work (an
+aborted request stops adding to them). Per-request latencies are measured here, in the server, around each
+request's output stream, from the moment its HTTP request arrived.
+"""
+from collections.abc import AsyncIterator
+from time import perf_counter
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from nanoserve.outputs import RequestOutput
+
+# vLLM's buckets (seconds), cut to what a CPU engine can reach
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class EngineCollector(Collector):
+    """Reads the scheduler's queues, the KV pool and the scheduler's counters at scrape time."""
+
+    def __init__(self, core, model_name: str):
+        self.core, self.labels = core, [model_name]  # core: has .scheduler and .block_manager
+
+    def collect(self):
+        scheduler, blocks, stats = self.core.scheduler, self.core.block_manager, self.core.scheduler.stats
+        gauges = {
+            "num_requests_running": ("Requests in the running batch", len(scheduler.running)),
+            "num_requests_waiting": ("Requests waiting to be scheduled", len(scheduler.waiting)),
+            "num_requests_swapped": ("Requests whose KV is swapped out to host memory", len(scheduler.swapped)),
+            "kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full)",
+                                    1 - blocks.num_free_blocks / blocks.num_blocks),
+        }
+        counters = {
+            "prompt_tokens": ("Prompt tokens admitted by prefills (a preempted request's count again)",
+                              stats.num_prompt_tokens),
+            "generation_tokens": ("Tokens generated", stats.num_generated_tokens),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.num_prompt_tokens),
+            "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.num_cached_tokens),
+            "num_preemptions": ("Requests preempted (recomputed or swapped out)", stats.num_preemptions),
+        }
+        for name, (doc, value) in gauges.items():
+            family = GaugeMetricFamily(f"nanoserve:{name}", doc, labels=["model_name"])
+            family.add_metric(self.labels, value)
+            yield family
+        for name, (doc, value) in counters.items():
+            family = CounterMetricFamily(f"nanoserve:{name}", doc, labels=["model_name"])
+            family.add_metric(self.labels, value)
+            yield family
+
+
+class Metrics:
+    """One registry per server (so that two servers in one process, as in tests, do not collide)."""
+
+    def __init__(self, core, model_name: str):
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(core, model_name))
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]):
+            return Histogram(f"nanoserve:{name}", doc, ["model_name"], registry=self.registry,
+                             buckets=buckets).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token", TTFT_BUCKETS)
+        self.tpot = histogram("time_per_output_token_seconds", "Mean time per output token after the first",
+                              TPOT_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token", E2E_BUCKETS)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    async def observe(self, stream: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
+        """Pass a request's (delta) outputs through, timing its first and last token."""
+        first_token_time, num_tokens = None, 0
+        async for out in stream:
+            new_tokens = len(out.outputs[0].token_ids)
+            if first_token_time is None and new_tokens:
+                first_token_time = perf_counter()
+                self.ttft.observe(first_token_time - arrival)
+            num_tokens += new_tokens
+            if out.finished:
+                now = perf_counter()
+                self.e2e.observe(now - arrival)
+                if num_tokens > 1:
+                    self.tpot.observe((now - first_token_time) / (num_tokens - 1))
+            yield out

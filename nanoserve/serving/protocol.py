@@ -1,0 +1,132 @@
+"""The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
+
+Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_tokens, ignore_eos, priority,
+stop_token_ids, include_stop_str_in_output); fields OpenAI defines but the engine lacks are accepted so that
+they can be refused with a 400 that names them, instead of being silently ignored.
+"""
+import time
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+
+# ---- requests ---------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    include_usage: bool = False  # a last chunk with `usage` and no choices
+
+
+class SamplingRequest(BaseModel):
+    """The fields completions and chat share: which model, how to sample, when to stop, how to answer."""
+
+    model: str | None = None  # None: the served model
+    max_tokens: int | None = None  # None: up to max_model_len, as in vLLM
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    priority: int = 0  # with --scheduling-policy priority: lower is served first
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1  # not in the engine yet: anything but 1 gets a 400
+    user: str | None = None  # accepted and ignored, as OpenAI does for logging
+
+
+class CompletionRequest(SamplingRequest):
+    # a string, a list of strings, token ids, or a list of token-id lists: one choice per prompt
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None  # not in the engine yet: a 400 when set
+    echo: bool = False  # not supported: a 400 when set
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
+    logprobs: bool = False  # not in the engine yet: a 400 when true
+    top_logprobs: int | None = None
+
+
+# ---- responses --------------------------------------------------------------------------------
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = PromptTokensDetails(cached_tokens=0)
+
+    def add(self, num_prompt: int, num_completion: int, num_cached: int) -> None:
+        self.prompt_tokens += num_prompt
+        self.completion_tokens += num_completion
+        self.total_tokens += num_prompt + num_completion
+        self.prompt_tokens_details = PromptTokensDetails(cached_tokens=self.prompt_tokens_details.cached_tokens
+                                                         + num_cached)
+
+
+class Choice(BaseModel):
+    index: int
+    logprobs: None = None
+    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"; None while streaming
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
+
+
+class CompletionChoice(Choice):
+    text: str
+
+
+class DeltaMessage(BaseModel):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(Choice):
+    message: DeltaMessage  # the whole answer
+
+
+class ChatChunkChoice(Choice):
+    delta: DeltaMessage  # the next piece of the answer (streamed)
+
+
+class Response(BaseModel):
+    """A completion, a chat completion, or one streamed chunk of either (`object` tells which)."""
+
+    id: str
+    object: Literal["text_completion", "chat.completion", "chat.completion.chunk"]
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice] | list[ChatChoice] | list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+# ---- errors -----------------------------------------------------------------------------------
+class APIError(Exception):
+    """An error the client caused, answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, status_code: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status_code, self.message, self.param, self.code, self.type = status_code, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

@@ -1,0 +1,331 @@
+"""`nanoserve serve`: a real server process on 127.0.0.1, driven by the official `openai` client and by httpx.
+
+One server for the module (conftest's demo model, started through `python -m nanoserve.serving` with an API
+key), stopped by SIGTERM in the last test. Greedy answers are compared with the offline `LLM` on the same model.
+"""
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from nanoserve import LLM, SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+API_KEY = "sk-test-nanoserve"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+MODEL = "smollm2"
+MAX_MODEL_LEN = 512
+SERVER_FLAGS = ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--cpu-kvcache-space", "0.25",
+                "--shutdown-timeout", "1", "--uvicorn-log-level", "warning"]
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(converted, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    port = free_port()
+    env = {**os.environ, "NANOSERVE_API_KEY": API_KEY}  # the key through the environment; --api-key is the same
+    cmd = [sys.executable, "-m", "nanoserve.serving", str(converted[1]), "--port", str(port), *SERVER_FLAGS]
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not start:\n{log.read_text()}")
+        time.sleep(0.2)
+    yield Server(url, process, log)
+    if process.poll() is None:  # the SIGTERM test did not run (-k): stop it anyway
+        process.terminate()
+        process.wait(30)
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def llm(converted) -> LLM:
+    return LLM(str(converted[1]), max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24)
+
+
+def scrape(server: Server) -> dict[str, float]:
+    """/metrics parsed: sample name -> value (histogram buckets left out)."""
+    text = httpx.get(f"{server.url}/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+            if "le" not in s.labels and not s.name.endswith("_created")}
+
+
+def wait_until_idle(server: Server, timeout: float = 60) -> float:
+    """Seconds until the engine has nothing running or waiting and every KV block is free."""
+    start = time.monotonic()
+    while True:
+        m = scrape(server)
+        if (m["nanoserve:num_requests_running"], m["nanoserve:num_requests_waiting"],
+                m["nanoserve:kv_cache_usage_perc"]) == (0, 0, 0):
+            return time.monotonic() - start
+        assert time.monotonic() - start < timeout, f"not idle after {timeout} s (a loaded machine?): {m}"
+        time.sleep(0.02)
+
+
+def test_cli_flags(tiny_models, capsys):
+    """`nanoserve serve`: one flag per engine option in vLLM's spelling; a bad value exits 2 naming the field."""
+    from nanoserve.serving.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    help_text = capsys.readouterr().out
+    for flag in ("--max-num-seqs", "--enable-chunked-prefill", "--no-enable-prefix-caching", "--scheduling-policy",
+                 "--async-scheduling", "--served-model-name", "--api-key", "--port"):
+        assert flag in help_text
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", tiny_models["llama"], "--max-num-seqs", "0"])
+    assert exit_info.value.code == 2 and "max_num_seqs must be >= 1" in capsys.readouterr().err
+
+
+def test_health_and_models(server, client):
+    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_completions_equal_offline_llm(client, llm):
+    expected = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=24, temperature=0)
+    assert [c.index for c in response.choices] == [0, 1]
+    assert [c.text for c in response.choices] == [e.text for e in expected]
+    assert [c.finish_reason for c in response.choices] == [e.finish_reason for e in expected]
+    num_prompt = sum(len(llm.tokenizer.encode(p)) for p in PROMPTS)
+    num_completion = sum(len(e.token_ids) for e in expected)
+    assert (response.usage.prompt_tokens, response.usage.completion_tokens, response.usage.total_tokens) == \
+        (num_prompt, num_completion, num_prompt + num_completion)
+
+    # token ids as the prompt, streamed: the pieces join to the same text
+    ids = llm.tokenizer.encode(PROMPTS[1])
+    stream = client.completions.create(model=MODEL, prompt=ids, max_tokens=24, temperature=0, stream=True)
+    chunks = list(stream)
+    assert "".join(c.choices[0].text for c in chunks) == expected[1].text
+    assert len(chunks) > 2 and chunks[-1].choices[0].finish_reason == expected[1].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+
+
+def test_chat_equals_offline_llm(client, llm):
+    expected = llm.chat(QUESTION, GREEDY, use_tqdm=False)[0]
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
+    assert response.object == "chat.completion"
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.outputs[0].text
+    assert response.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert response.usage.completion_tokens == len(expected.outputs[0].token_ids)
+
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.outputs[0].text
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(expected.outputs[0].token_ids)
+    assert chunks[-2].choices[0].finish_reason == expected.outputs[0].finish_reason
+
+
+def test_usage_counts_prefix_cache_hits(client, llm):
+    prompt = "A prefix long enough to fill a few KV blocks of sixteen tokens: " + "red green blue yellow " * 12
+    num_prompt = len(llm.tokenizer.encode(prompt))
+    first, second = (client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+                     for _ in range(2))
+    assert first.usage.prompt_tokens == second.usage.prompt_tokens == num_prompt
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    # every full block but the one holding the last prompt token (which must be computed for its logits)
+    assert second.usage.prompt_tokens_details.cached_tokens == (num_prompt - 1) // 16 * 16 > 0
+    assert second.choices[0].text == first.choices[0].text
+
+
+def test_stop_strings_and_lengths(client):
+    response = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0,
+                                         stop=[" 7"])
+    choice = response.choices[0]
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", " 7")
+    assert " 7" not in choice.text and "6" in choice.text
+    response = client.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=5, temperature=0,
+                                         extra_body={"ignore_eos": True, "min_tokens": 5})
+    assert (response.choices[0].finish_reason, response.usage.completion_tokens) == ("length", 5)
+
+
+def test_64_concurrent_streams(server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, int, str]:
+        stream = await client.completions.create(model=MODEL, prompt=f"Request {i}: count from {i} to", max_tokens=8,
+                                                 temperature=0.8, seed=i, stream=True,
+                                                 stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        finish = next(c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason)
+        return "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage.completion_tokens, finish
+
+    async def run_all():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(64)),
+                                                         return_exceptions=True), timeout=120)
+
+    results = asyncio.run(run_all())
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors == []
+    assert all(text and num_tokens == 8 and finish == "length" for text, num_tokens, finish in results)
+    wait_until_idle(server)
+    m = scrape(server)
+    assert m["nanoserve:num_requests_running"] == 0 and m["nanoserve:kv_cache_usage_perc"] == 0
+
+
+def test_metrics_move(server, client, llm):
+    before = scrape(server)
+    prompt = "Metrics should move when a request runs:"
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    after = scrape(server)
+    num_prompt = len(llm.tokenizer.encode(prompt))
+
+    def delta(name: str) -> float:
+        return after[f"nanoserve:{name}"] - before[f"nanoserve:{name}"]
+
+    assert response.usage.completion_tokens == 6
+    assert delta("prompt_tokens_total") == num_prompt and delta("generation_tokens_total") == 6
+    assert delta("prefix_cache_queries_total") == num_prompt
+    assert delta("prefix_cache_hits_total") == response.usage.prompt_tokens_details.cached_tokens
+    for histogram in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"{histogram}_count") == 1 and delta(f"{histogram}_sum") > 0
+    assert after["nanoserve:e2e_request_latency_seconds_sum"] >= after["nanoserve:time_to_first_token_seconds_sum"]
+    assert "nanoserve:num_preemptions_total" in after and "nanoserve:num_requests_swapped" in after
+
+
+def long_stream(server: Server):
+    """A streamed request that would run for a long time (400 tokens) unless stopped."""
+    body = dict(model=MODEL, prompt="Tell me a very long story.", max_tokens=400, stream=True, ignore_eos=True)
+    return httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60)
+
+
+def test_client_disconnect_aborts_the_request(server):
+    with long_stream(server) as response:
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(3)) if line.startswith("data: ")) >= 1
+        busy = scrape(server)
+        assert busy["nanoserve:num_requests_running"] == 1 and busy["nanoserve:kv_cache_usage_perc"] > 0
+    # leaving the block closed the connection: the request is aborted and its blocks freed after a step or two
+    wait_until_idle(server)
+    num_generated = scrape(server)["nanoserve:generation_tokens_total"] - busy["nanoserve:generation_tokens_total"]
+    assert num_generated <= 3  # the engine's own count: the step that ran while we scraped, and one more
+
+    # a non-streamed request whose client gives up (a timeout) is aborted too
+    body = dict(model=MODEL, prompt="Another long story.", max_tokens=400, ignore_eos=True)
+    before = scrape(server)["nanoserve:generation_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=1.0)
+    wait_until_idle(server)
+    assert scrape(server)["nanoserve:generation_tokens_total"] - before < 400
+
+
+BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server must refuse
+    ("completions", b'{"model": "smollm2", "prompt": "Hi",', 400, None),  # malformed JSON
+    ("completions", b'[1, 2, 3]', 400, None),  # not an object
+    ("completions", {"model": MODEL}, 400, "prompt"),
+    ("completions", {"prompt": "Hi", "max_tokens": "many"}, 400, "max_tokens"),
+    ("completions", {"prompt": {"text": "Hi"}}, 400, "prompt"),
+    ("completions", {"prompt": "Hi", "stop": 7}, 400, "stop"),
+    ("completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
+    ("completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
+    ("completions", {"prompt": "Hi", "top_k": 0}, 400, "top_k"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": ""}, 400, "prompt"),
+    ("completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400, "prompt"),  # over max_model_len
+    ("completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),  # not a token of this vocabulary
+    ("completions", {"prompt": "Hi", "priority": 3}, 400, "priority"),  # needs --scheduling-policy priority
+    ("completions", {"prompt": "Hi", "n": 2}, 400, "n"),
+    ("completions", {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
+    ("chat/completions", {"messages": []}, 400, "messages"),
+    ("chat/completions", {"messages": [{"content": "Hi"}]}, 400, "messages"),
+    ("chat/completions", {"messages": QUESTION, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {"messages": QUESTION, "max_completion_tokens": -3}, 400, "max_tokens"),
+    ("chat/completions", {"messages": QUESTION, "stream": "yes please"}, 400, "stream"),
+    ("embeddings", {"input": "Hi"}, 404, None),
+]
+
+
+@pytest.mark.parametrize("route, body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors(server, route, body, status, param):
+    kwargs = dict(content=body, headers={**AUTH, "Content-Type": "application/json"}) if isinstance(body, bytes) \
+        else dict(json=body, headers=AUTH)
+    response = httpx.post(f"{server.url}/v1/{route}", **kwargs)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param, error
+
+
+def test_bad_requests_leave_the_server_serving(server, client):
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.completions.create(model=MODEL, prompt="Hi", temperature=-1)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="Hi")
+    response = client.completions.create(model=MODEL, prompt="Still there?", max_tokens=3, temperature=0)
+    assert response.usage.completion_tokens > 0
+    wait_until_idle(server)
+
+
+def test_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        response = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hi"}, headers=headers)
+        assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/v1/models", headers=headers).status_code == 401
+    wrong = openai.OpenAI(base_url=f"{server.url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+    assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+def test_sigterm_stops_the_server_with_exit_0(server):
+    """The last test: SIGTERM while a stream runs. The server lets it run for --shutdown-timeout (1 s), then
+    aborts it: the stream ends with an error event and [DONE]; the process frees everything and exits 0."""
+    with long_stream(server) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"
+    assert server.process.wait(30) == 0, server.log.read_text()
+    assert "Traceback" not in server.log.read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
