@@ -4,7 +4,12 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
+
+# The tests run several processes and threads on two cores (servers, tensor-parallel workers, the engine's
+# threads): OpenMP threads that spin while they wait would starve the others, so they sleep instead. It must
+# be set before torch loads OpenMP; spawned processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
 
 # Without a GPU, the Triton kernels run on CPU tensors through Triton's interpreter. triton.jit reads this
 # variable when a function is defined: for triton's own library (tl.zeros...) when triton is first imported,
