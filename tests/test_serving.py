@@ -186,6 +186,14 @@ def test_n_with_seed_equals_offline_llm(client, llm):
     expected = llm.chat(QUESTION, SamplingParams(n=2, **knobs, **extra), use_tqdm=False)[0].outputs
     response = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, extra_body=extra, **knobs)
     assert [c.message.content for c in response.choices] == [e.text for e in expected]
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, stream=True, extra_body=extra,
+                                            **knobs)
+    chunks = list(stream)
+    assert [(c.index, c.delta.role) for c in chunks[0].choices] == [(0, "assistant"), (1, "assistant")]
+    texts = [""] * 2
+    for chunk in chunks[1:]:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == [e.text for e in expected]
 
 
 def test_logprobs_equal_offline_llm(client, llm):
