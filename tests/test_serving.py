@@ -161,6 +161,80 @@ def test_chat_equals_offline_llm(client, llm):
     assert chunks[-2].choices[0].finish_reason == expected.outputs[0].finish_reason
 
 
+def test_n_with_seed_equals_offline_llm(client, llm):
+    """n=2: choice prompt_i * n + j is the offline LLM's sequence j of prompt i (same seed, same penalties)."""
+    knobs = dict(temperature=0.8, seed=7, max_tokens=8, min_p=0.05, presence_penalty=0.5, frequency_penalty=0.3,
+                 repetition_penalty=1.2)
+    expected = [c for r in llm.generate(PROMPTS, SamplingParams(n=2, **knobs), use_tqdm=False) for c in r.outputs]
+    extra = {k: knobs.pop(k) for k in ("min_p", "repetition_penalty")}  # vLLM's extensions
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, n=2, extra_body=extra, **knobs)
+    assert [c.index for c in response.choices] == [0, 1, 2, 3]
+    assert [c.text for c in response.choices] == [e.text for e in expected]
+    assert len({e.text for e in expected}) > 2  # the two sequences of a prompt differ
+    assert response.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS, n=2, stream=True, extra_body=extra,
+                                       stream_options={"include_usage": True}, **knobs)
+    texts, finishes, chunks = [""] * 4, [None] * 4, list(stream)
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        texts[choice.index] += choice.text
+        finishes[choice.index] = finishes[choice.index] or choice.finish_reason
+    assert texts == [e.text for e in expected] and finishes == [e.finish_reason for e in expected]
+    assert chunks[-1].usage.completion_tokens == response.usage.completion_tokens
+
+    expected = llm.chat(QUESTION, SamplingParams(n=2, **knobs, **extra), use_tqdm=False)[0].outputs
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, extra_body=extra, **knobs)
+    assert [c.message.content for c in response.choices] == [e.text for e in expected]
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, stream=True, extra_body=extra,
+                                            **knobs)
+    chunks = list(stream)
+    assert [(c.index, c.delta.role) for c in chunks[0].choices] == [(0, "assistant"), (1, "assistant")]
+    texts = [""] * 2
+    for chunk in chunks[1:]:
+        texts[chunk.choices[0].index] += chunk.choices[0].delta.content or ""
+    assert texts == [e.text for e in expected]
+
+
+def test_logprobs_equal_offline_llm(client, llm):
+    """Greedy with logprobs: the legacy completions shape and the chat shape, both the offline LLM's numbers."""
+    (out,) = llm.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=8, logprobs=3), use_tqdm=False)
+    c = out.outputs[0]
+    spell = [llm.tokenizer.decode([t]) for t in c.token_ids]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3)
+    lp = response.choices[0].logprobs
+    assert lp.tokens == spell and response.choices[0].text == c.text
+    assert lp.token_logprobs == pytest.approx([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)], abs=1e-5)
+    for top, d in zip(lp.top_logprobs, c.logprobs):
+        expected_top = {llm.tokenizer.decode([i]): x.logprob for i, x in d.items() if x.rank <= 3}
+        assert len(top) == 3 and top == pytest.approx(expected_top, abs=1e-5)
+    assert lp.text_offset == [sum(map(len, spell[:i])) for i in range(len(spell))]
+    stream = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, logprobs=3,
+                                       stream=True)
+    pieces = [chunk.choices[0].logprobs for chunk in stream if chunk.choices[0].logprobs]
+    assert [t for p in pieces for t in p.text_offset] == lp.text_offset
+    assert [x for p in pieces for x in p.token_logprobs] == pytest.approx(lp.token_logprobs, abs=1e-5)
+
+    (out,) = llm.chat(QUESTION, SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)
+    c = out.outputs[0]
+    response = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0,
+                                              logprobs=True, top_logprobs=2)
+    content = response.choices[0].logprobs.content
+    assert [e.token for e in content] == [llm.tokenizer.decode([t]) for t in c.token_ids]
+    assert [e.bytes for e in content] == [list(e.token.encode()) for e in content]
+    assert [e.logprob for e in content] == pytest.approx([d[t].logprob for t, d in zip(c.token_ids, c.logprobs)],
+                                                         abs=1e-5)
+    for e, d in zip(content, c.logprobs):  # greedy: the top one is the token itself
+        assert [x.logprob for x in e.top_logprobs] == pytest.approx(
+            sorted((x.logprob for x in d.values() if x.rank <= 2), reverse=True), abs=1e-5)
+        assert e.top_logprobs[0].token == e.token
+    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=8, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [e for chunk in stream if chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
+
+
 def test_usage_counts_prefix_cache_hits(client, llm):
     prompt = "A prefix long enough to fill a few KV blocks of sixteen tokens: " + "red green blue yellow " * 12
     num_prompt = len(llm.tokenizer.encode(prompt))
@@ -270,12 +344,17 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400, "prompt"),  # over max_model_len
     ("completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),  # not a token of this vocabulary
     ("completions", {"prompt": "Hi", "priority": 3}, 400, "priority"),  # needs --scheduling-policy priority
-    ("completions", {"prompt": "Hi", "n": 2}, 400, "n"),
-    ("completions", {"prompt": "Hi", "logprobs": 2}, 400, "logprobs"),
+    ("completions", {"prompt": "Hi", "n": 0}, 400, "n"),
+    ("completions", {"prompt": "Hi", "n": 1000}, 400, "n"),  # over max_num_seqs (256)
+    ("completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
+    ("completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
+    ("completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
     ("completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "Hi"}]}, 400, "messages"),
-    ("chat/completions", {"messages": QUESTION, "logprobs": True}, 400, "logprobs"),
+    ("chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("chat/completions", {"messages": QUESTION, "top_logprobs": 2}, 400, "top_logprobs"),  # without logprobs
+    ("chat/completions", {"messages": QUESTION, "n": -1}, 400, "n"),
     ("chat/completions", {"messages": QUESTION, "max_completion_tokens": -3}, 400, "max_tokens"),
     ("chat/completions", {"messages": QUESTION, "stream": "yes please"}, 400, "stream"),
     ("embeddings", {"input": "Hi"}, 404, None),

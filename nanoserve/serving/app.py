@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.logprobs import LogprobsFormat
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import (
     APIError,
@@ -42,17 +43,18 @@ Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta outpu
 
 # ---- from the request to the engine ----------------------------------------------------------------
 def refuse_unsupported(request: SamplingRequest) -> None:
-    if request.n != 1:
-        raise APIError(400, f"n: only n=1 is supported (got {request.n}); the engine has no parallel sampling yet",
-                       "n")
-    for name in ("logprobs", "top_logprobs", "echo"):
-        if getattr(request, name, None) not in (None, False):
-            raise APIError(400, f"{name}: not supported by nanoserve's engine yet", name)
+    if getattr(request, "echo", False):
+        raise APIError(400, "echo: not supported by nanoserve", "echo")
+    if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
 
 def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int) -> SamplingParams:
     """room: what max_model_len leaves after the prompt, the default max_tokens (as in vLLM)."""
-    return SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+    return SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
+                          min_p=request.min_p, presence_penalty=request.presence_penalty,
+                          frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
+                          logprobs=request.num_logprobs(),
                           max_tokens=max(room, 1) if max_tokens is None else max_tokens, min_tokens=request.min_tokens,
                           ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids or [],
                           stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
@@ -100,8 +102,9 @@ async def merge(streams: list[AsyncIterator[RequestOutput]], shutting_down: asyn
 
 
 # ---- from the engine back to the client -------------------------------------------------------------
-def make_choice(chat: bool, stream: bool, index: int, text: str, finish_reason=None, stop_reason=None):
-    kw = dict(index=index, finish_reason=finish_reason, stop_reason=stop_reason)
+def make_choice(chat: bool, stream: bool, index: int, text: str, finish_reason=None, stop_reason=None,
+                logprobs=None):
+    kw = dict(index=index, finish_reason=finish_reason, stop_reason=stop_reason, logprobs=logprobs)
     if not chat:
         return CompletionChoice(text=text, **kw)
     if stream:
@@ -109,17 +112,21 @@ def make_choice(chat: bool, stream: bool, index: int, text: str, finish_reason=N
     return ChatChoice(message=DeltaMessage(role="assistant", content=text), **kw)
 
 
-async def collect(outputs: Outputs, header: dict, chat: bool) -> Response:
-    """The whole answer at once: the deltas of each prompt joined."""
-    texts, num_tokens, endings, usage = {}, {}, {}, Usage()
+async def collect(outputs: Outputs, header: dict, chat: bool, n: int, logprobs: LogprobsFormat | None) -> Response:
+    """The whole answer at once: the deltas of each prompt's n sequences joined, choice i * n + j."""
+    texts, token_ids, lps, endings, usage = {}, {}, {}, {}, Usage()
     async for i, out in outputs:
         c = out.outputs[0]
-        texts[i] = texts.get(i, "") + c.text
-        num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
+        index = i * n + c.index
+        texts[index] = texts.get(index, "") + c.text
+        token_ids[index] = token_ids.get(index, []) + c.token_ids
+        lps[index] = lps.get(index, []) + (c.logprobs or [])
+        endings[index] = (c.finish_reason, c.stop_reason)
         if out.finished:
-            endings[i] = (c.finish_reason, c.stop_reason)
-            usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
-    choices = [make_choice(chat, False, i, texts[i], *endings[i]) for i in sorted(texts)]
+            usage.add(len(out.prompt_token_ids), sum(len(token_ids[i * n + j]) for j in range(n)),
+                      out.num_cached_tokens)
+    choices = [make_choice(chat, False, j, texts[j], *endings[j], logprobs and logprobs(token_ids[j], lps[j]))
+               for j in sorted(texts)]
     return Response(**header, choices=choices, usage=usage)
 
 
@@ -129,21 +136,25 @@ def event(response: Response | dict | str) -> str:
     return f"data: {data}\n\n"
 
 
-async def stream_events(outputs: Outputs, header: dict, chat: bool, num_prompts: int,
-                        include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per delta, a last chunk with finish_reason, usage if asked, then [DONE]."""
-    num_tokens, usage = {}, Usage()
+async def stream_events(outputs: Outputs, header: dict, chat: bool, num_choices: int, n: int,
+                        logprobs: LogprobsFormat | None, include_usage: bool) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per delta (choice i * n + j), a last one per choice with finish_reason, usage
+    if asked, then [DONE]."""
+    num_tokens, text_lens, usage = {}, {}, Usage()
     try:
         if chat:  # OpenAI's first chunk names the role
-            choices = [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                       for i in range(num_prompts)]
+            choices = [ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
+                       for j in range(num_choices)]
             yield event(Response(**header, choices=choices))
         async for i, out in outputs:
             c = out.outputs[0]
             num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
-            if c.text or out.finished:
-                choice = make_choice(chat, True, i, c.text, c.finish_reason, c.stop_reason)
+            index = i * n + c.index
+            if c.text or c.finish_reason or c.logprobs:
+                lps = logprobs and logprobs(c.token_ids, c.logprobs or [], text_lens.get(index, 0))
+                choice = make_choice(chat, True, index, c.text, c.finish_reason, c.stop_reason, lps)
                 yield event(Response(**header, choices=[choice]))
+            text_lens[index] = text_lens.get(index, 0) + len(c.text)
             if out.finished:
                 usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
         if include_usage:
@@ -219,11 +230,15 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         outputs = start(request, prompts, max_tokens)
         kind = ("chat.completion.chunk" if request.stream else "chat.completion") if chat else "text_completion"
         header = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind, model=model_name)
+        k = request.num_logprobs()
+        if k is not None and tokenizer is None:
+            raise APIError(400, "logprobs: this model folder has no tokenizer to spell the tokens", "logprobs")
+        logprobs = None if k is None else LogprobsFormat(tokenizer, chat, k)
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
-            return StreamingResponse(stream_events(outputs, header, chat, len(prompts), include_usage),
-                                     media_type="text/event-stream")
-        return await cancel_on_disconnect(collect(outputs, header, chat), raw)
+            events = stream_events(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs), raw)
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request):

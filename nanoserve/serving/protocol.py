@@ -1,13 +1,15 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
-Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_tokens, ignore_eos, priority,
-stop_token_ids, include_stop_str_in_output); fields OpenAI defines but the engine lacks are accepted so that
-they can be refused with a 400 that names them, instead of being silently ignored.
+Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output); `echo`, which OpenAI defines but nanoserve
+lacks, is accepted so that it can be refused with a 400 that names it, instead of being silently ignored.
 """
 import time
 from typing import Literal
 
 from pydantic import BaseModel, Field
+
+MAX_LOGPROBS = 20  # the most likely tokens a response may list per position (vLLM's default max_logprobs)
 
 
 # ---- requests ---------------------------------------------------------------------------------
@@ -23,6 +25,10 @@ class SamplingRequest(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     min_tokens: int = 0
     seed: int | None = None
     stop: str | list[str] | None = None
@@ -32,15 +38,18 @@ class SamplingRequest(BaseModel):
     priority: int = 0  # with --scheduling-policy priority: lower is served first
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1  # not in the engine yet: anything but 1 gets a 400
+    n: int = 1  # completions per prompt (up to the server's max_num_seqs)
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
 
 
 class CompletionRequest(SamplingRequest):
     # a string, a list of strings, token ids, or a list of token-id lists: one choice per prompt
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = None  # not in the engine yet: a 400 when set
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its logprob and the k most likely
     echo: bool = False  # not supported: a 400 when set
+
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextPart(BaseModel):
@@ -61,8 +70,11 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
-    logprobs: bool = False  # not in the engine yet: a 400 when true
-    top_logprobs: int | None = None
+    logprobs: bool = False  # per token: its logprob, and the top_logprobs most likely ones
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    def num_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # ---- responses --------------------------------------------------------------------------------
@@ -84,9 +96,32 @@ class Usage(BaseModel):
                                                          + num_cached)
 
 
+class CompletionLogprobs(BaseModel):
+    """The legacy completions shape: parallel lists, one entry per generated token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]  # the most likely tokens at each position, text -> logprob
+    text_offset: list[int]  # where each token starts in the choice's text
+
+
+class TokenLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's UTF-8 bytes
+
+
+class ChatTokenLogprob(TokenLogprob):
+    top_logprobs: list[TokenLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob]
+
+
 class Choice(BaseModel):
-    index: int
-    logprobs: None = None
+    index: int  # with n: prompt_index * n + the sequence's index
+    logprobs: CompletionLogprobs | ChatLogprobs | None = None
     finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"; None while streaming
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
 
