@@ -13,6 +13,7 @@ from nanoserve.layers.attention import (
     AttentionMetadata,
     attention_backend,
 )
+from nanoserve.layers.linear import reorder_weights_for_cpu
 from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import build_model
 from nanoserve.outputs import Logprob
@@ -68,6 +69,8 @@ class ModelRunner:
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(self.model, config.model)
+        if self.device.type == "cpu":
+            reorder_weights_for_cpu(self.model)
         self.model.eval()
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]

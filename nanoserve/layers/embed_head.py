@@ -4,7 +4,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.linear import tp_rank_size
+from nanoserve.layers.linear import linear, tp_rank_size
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -33,7 +33,7 @@ class ParallelLMHead(VocabParallelEmbedding):
     (the other ranks get None). Split like the embedding, so tied weights stay one tensor."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
-        logits = F.linear(hidden_states, self.weight)
+        logits = linear(hidden_states, self.weight)
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
