@@ -26,9 +26,12 @@ def test_reordered_weight_multiplies_like_the_plain_one(dtype, tol):
             assert torch.allclose(linear(x, reordered, bias), expected, rtol=tol, atol=tol * 8)
 
 
-def test_float16_keeps_the_plain_weight():
+def test_float16_and_non_x86_cpus_keep_the_plain_weight(monkeypatch):
     w = torch.randn(8, 4, dtype=torch.float16)
     assert reorder_for_cpu(w) is w  # oneDNN's float16 needs AVX512-FP16: plain matmuls then
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")  # e.g. an ARM laptop
+    w = torch.randn(8, 4)
+    assert reorder_for_cpu(w) is w
 
 
 @needs_onednn

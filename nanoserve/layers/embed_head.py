@@ -30,7 +30,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = h E^T: each rank computes its own tokens' logits; rank 0, which samples, gathers them all
-    (the other ranks get None). Split like the embedding, so tied weights stay one tensor."""
+    (the other ranks get None). Split like the embedding, so tied weights stay one tensor (on CPU the head
+    then gets a copy reordered for oneDNN: layers/linear.py)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = linear(hidden_states, self.weight)

@@ -24,8 +24,9 @@ def reorder_for_cpu(weight: torch.Tensor) -> torch.Tensor:
     """W reordered once into oneDNN's blocked layout, as vLLM's CPU backend and torch.compile's weight freezing
     do. A plain float32 matmul goes to MKL, which packs W into its own panels on every call; the reordered W is
     read as it lies by oneDNN's AVX-512 kernels: 1.5-3x faster multiplies on the CPU of docs/benchmarks.md.
-    float16 (oneDNN needs AVX512-FP16 for it) and builds without oneDNN keep the plain W."""
-    if not torch.backends.mkldnn.is_available() or weight.dtype not in (torch.float32, torch.bfloat16):
+    Only on x86 (measured there), in float32 and bfloat16 (oneDNN's float16 needs AVX512-FP16); else the plain W."""
+    x86 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    if not (x86 and torch.backends.mkldnn.is_available()) or weight.dtype not in (torch.float32, torch.bfloat16):
         return weight
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
