@@ -60,6 +60,19 @@ def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[
     return outputs
 
 
+def assert_within_ties(path: str, prompts: list[list[int]], outputs: list[list[int]], tie: float) -> None:
+    """Teacher-forced in float32 (transformers) on another run's greedy output: every token it picked was
+    within `tie` of float32's best logit. Where lower precision flips a near-tie, the sequences part ways,
+    but each token still was a (near-)best choice."""
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for prompt, output in zip(prompts, outputs):
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + output])).logits[0, len(prompt) - 1 : -1]
+        picked = logits.gather(1, torch.tensor(output)[:, None])[:, 0]
+        gap = (logits.max(dim=-1).values - picked).max().item()
+        assert gap <= tie, f"a token {gap:.3f} below float32's best logit"
+
+
 def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60, vocab: int = 512) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(low, high, (n,), generator=g).tolist()

@@ -81,7 +81,7 @@ def shared_prefix_prompts():
 
 def test_engine_with_prefix_caching_equals_transformers(tiny_models, shared_prefix_prompts):
     expected = hf_greedy(tiny_models["qwen3"], shared_prefix_prompts, MAX_TOKENS)
-    llm = LLM(tiny_models["qwen3"], attention_backend="triton", num_kvcache_blocks=32)
+    llm = LLM(tiny_models["qwen3"], attention_backend="triton", dtype="float32", num_kvcache_blocks=32)
     assert llm.engine.config.block_size == 16
     assert llm.engine.model_runner.attn_layers[0].impl is triton_paged_attention
     for _ in range(2):  # the second time, every prompt's first block comes from the prefix cache
@@ -92,7 +92,7 @@ def test_engine_with_prefix_caching_equals_transformers(tiny_models, shared_pref
 
 def test_engine_with_chunked_prefill_equals_transformers(tiny_models, shared_prefix_prompts):
     expected = hf_greedy(tiny_models["llama"], shared_prefix_prompts, MAX_TOKENS)
-    llm = LLM(tiny_models["llama"], attention_backend="triton", block_size=32, num_kvcache_blocks=16,
+    llm = LLM(tiny_models["llama"], attention_backend="triton", dtype="float32", block_size=32, num_kvcache_blocks=16,
               enable_chunked_prefill=True, max_num_batched_tokens=16, enable_prefix_caching=False)
     outputs = llm.generate(shared_prefix_prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected

@@ -1,6 +1,7 @@
 from dataclasses import dataclass
 from itertools import accumulate
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -74,6 +75,10 @@ class ModelRunner:
         self.model.eval()
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
+        self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
+        self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])  # the swap pool, if any: below
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
         if config.tensor_parallel_size > 1:  # every rank must hold the blocks rank 0's scheduler hands out
             num_blocks = torch.tensor(self.num_kvcache_blocks, device=self.device)
@@ -83,12 +88,8 @@ class ModelRunner:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])
         if config.preemption_mode == "swap":
             self._allocate_host_cache()
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
-        self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path plans
         # each batch on the host and stays eager.
         if self.device.type == "cuda" and config.attention_backend != "torch" and not config.enforce_eager:
@@ -143,6 +144,7 @@ class ModelRunner:
         cfg = self.config
         num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
         blocks_per_seq = -(-cfg.max_model_len // self.block_size)
+        torch.cuda.reset_peak_memory_stats()  # the peak must be this warm-up's, not an earlier engine's
         self._allocate_kv_cache(num_seqs * blocks_per_seq)
         greedy = SamplingParams(temperature=0.0)
         seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
@@ -192,8 +194,10 @@ class ModelRunner:
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
             if do_sample:
                 logits_rows += [len(input_ids) - 1] * (1 + len(forks))  # n > 1: the row for every fork too
-        max_num_blocks = max(len(seq.block_table) for seq in seqs)
-        block_tables = [seq.block_table + [-1] * (max_num_blocks - len(seq.block_table)) for seq in seqs]
+        # Padded with -1 (numpy fills rows far faster than torch.tensor converts a list of lists).
+        block_tables = np.full((len(seqs), max(len(seq.block_table) for seq in seqs)), -1, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            block_tables[i, : len(seq.block_table)] = seq.block_table
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping, torch.int64),
             block_tables=self._tensor(block_tables, torch.int32),
@@ -214,18 +218,25 @@ class ModelRunner:
                           self._min_tokens_mask(sampling),
                           [seq.seq_id for seq in sampling], placeholder_rows, placeholder_seq_ids, logprobs)
 
-    def _tensor(self, data: list, dtype: torch.dtype) -> torch.Tensor:
-        pin = self.device.type == "cuda"  # pinned host memory lets the copy overlap with GPU work
-        return torch.tensor(data, dtype=dtype, pin_memory=pin).to(self.device, non_blocking=True)
+    def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.as_tensor(data, dtype=dtype)
+        if self.device.type == "cuda":
+            host = host.pin_memory()  # pinned host memory lets the copy overlap with GPU work
+        return host.to(self.device, non_blocking=True)
 
     def prepare_sample(self, seqs: list[Sequence]) -> dict:
+        """The sampler's arguments, one row per sequence; an option no row uses is None (see Sampler)."""
         vocab_size = self.config.hf_config.vocab_size
         params = [seq.sampling_params for seq in seqs]
+
+        def column(values: list, unused, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if all(v == unused for v in values) else self._tensor(values, dtype)
+
         sample = dict(
-            temperatures=self._tensor([p.temperature for p in params], torch.float32),
-            top_ks=self._tensor([vocab_size if p.top_k == -1 else p.top_k for p in params], torch.int64),
-            top_ps=self._tensor([p.top_p for p in params], torch.float32),
-            min_ps=self._tensor([p.min_p for p in params], torch.float32),
+            temperatures=column([p.temperature for p in params], 0.0, torch.float32),
+            top_ks=column([vocab_size if p.top_k == -1 else p.top_k for p in params], vocab_size, torch.int64),
+            top_ps=column([p.top_p for p in params], 1.0, torch.float32),
+            min_ps=column([p.min_p for p in params], 0.0, torch.float32),
             generators=[seq.generator for seq in seqs],
         )
         if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
@@ -313,8 +324,8 @@ class ModelRunner:
         sample_logits = logits[: len(inputs.sample_seq_ids)]
         mask_rows, mask_ids = inputs.min_tokens_mask
         if mask_rows:  # (on a copy: logprobs are of the raw logits)
-            sample_logits = sample_logits.index_put((self._tensor(mask_rows, torch.int64),
-                                                     self._tensor(mask_ids, torch.int64)), torch.tensor(float("-inf")))
+            rows, ids = self._tensor(mask_rows, torch.int64), self._tensor(mask_ids, torch.int64)
+            sample_logits = sample_logits.index_put((rows, ids), sample_logits.new_tensor(float("-inf")))
         penalties = inputs.sampling.get("penalties")
         if penalties is not None:  # the token the step before was sampling (-1 in the plan) is output too
             newest = inputs.input_ids[inputs.logits_rows[: len(sample_logits)]]

@@ -87,7 +87,7 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         # GQA: the query heads that share a KV head become its rows of queries, so each key is read once.
         o = F.scaled_dot_product_attention(q[rows].view(len(rows), kv_heads, -1, head_dim), k, v,
                                            attn_mask=mask, scale=scale)
-        out[rows] = o.view(len(rows), -1, head_dim)
+        out[rows] = o.reshape(len(rows), -1, head_dim)  # (CUDA's SDPA may return another memory layout)
     for start, end, block_ids, context_len, mask in meta.torch_plan.prefills:
         # [1, kv_heads, context_len, head_dim] (4-D: SDPA's fast CPU kernel needs a batch dimension)
         k = k_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)

@@ -6,20 +6,23 @@ class Sampler(nn.Module):
     """Turns each row of logits into one token: penalties first, then greedy where temperature is 0, else
     temperature, min_p, top-k, top-p and a draw (vLLM's order). Each is one tensor op over the whole batch."""
 
-    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor, top_ks: torch.Tensor,
-                top_ps: torch.Tensor, generators: list[torch.Generator | None], min_ps: torch.Tensor | None = None,
-                penalties: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(self, logits: torch.Tensor, temperatures: torch.Tensor | None, top_ks: torch.Tensor | None,
+                top_ps: torch.Tensor | None, generators: list[torch.Generator | None],
+                min_ps: torch.Tensor | None = None, penalties: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+        """None for an option: no row uses it (temperatures None: every row is greedy). The engine knows that
+        on the host, so the sampler never waits for the GPU to find it out, and a GPU step runs ahead."""
         logits = logits.float()
         if penalties is not None:
             logits = apply_penalties(logits, **penalties)
         greedy = logits.argmax(dim=-1)
-        if (temperatures == 0).all():
+        if temperatures is None:
             return greedy
         logits = logits / temperatures.clamp(min=1e-5).unsqueeze(1)
-        if min_ps is not None and (min_ps > 0).any():
+        if min_ps is not None:
             probs = logits.softmax(dim=-1)
             logits = logits.masked_fill(probs < min_ps[:, None] * probs.amax(dim=-1, keepdim=True), float("-inf"))
-        logits = self._apply_top_k_top_p(logits, top_ks, top_ps)
+        if top_ks is not None or top_ps is not None:
+            logits = self._apply_top_k_top_p(logits, top_ks, top_ps)
         probs = torch.softmax(logits, dim=-1)
         # Gumbel-max trick: argmax(p / Exp(1) noise) is a sample from p, with no sync for multinomial.
         noise = torch.empty_like(probs).exponential_()
@@ -30,17 +33,16 @@ class Sampler(nn.Module):
         return torch.where(temperatures == 0, greedy, sampled)
 
     @staticmethod
-    def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    def _apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps: torch.Tensor | None
+                           ) -> torch.Tensor:
         """Mask (to -inf) every token outside the row's top_k, then outside its top_p nucleus."""
-        vocab_size = logits.shape[1]
-        if (top_ks >= vocab_size).all() and (top_ps >= 1).all():
-            return logits
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        rank = torch.arange(vocab_size, device=logits.device)
-        drop = rank[None, :] >= top_ks[:, None]
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
-        # Drop a token when the more likely ones before it already reach top_p (the first always stays).
-        drop |= (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]
+        rank = torch.arange(logits.shape[1], device=logits.device)
+        drop = rank[None, :] >= (top_ks[:, None] if top_ks is not None else logits.shape[1])
+        if top_ps is not None:
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Drop a token when the more likely ones before it already reach top_p (the first always stays).
+            drop |= (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]
         return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
