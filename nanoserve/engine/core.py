@@ -5,6 +5,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import count
 
+import torch
 from transformers import AutoTokenizer
 
 from nanoserve.config import Config
@@ -34,6 +35,21 @@ class EngineCoreOutput:
     error: BaseException | None = None  # the request failed (and is gone): the front end raises this
 
 
+class LaunchedStep(Future):
+    """A step launched on the GPU. Its sampled ids are copied to the host right behind its kernels: a copy
+    asked for later would queue behind the next step's. result() waits for that copy only."""
+
+    def __init__(self, sampled: torch.Tensor):
+        super().__init__()
+        self.ids = sampled.to("cpu", non_blocking=True)
+        self.copied = torch.cuda.Event()
+        self.copied.record()
+
+    def result(self, timeout: float | None = None) -> torch.Tensor:
+        self.copied.synchronize()
+        return self.ids
+
+
 class EngineCore:
     """The engine (vLLM V1's EngineCore): owns the scheduler, the KV blocks and the model runner.
     `step()` = schedule -> run the model -> update; the offline LLM calls it in a loop, AsyncLLM runs
@@ -54,13 +70,15 @@ class EngineCore:
         self.requests: dict[str, list[tuple[Sequence, IncrementalDetokenizer | None]]] = {}  # one per n
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
-        # Async scheduling: the forwards run one after another in one executor thread, in planning order;
-        # the batch queue holds the (plan, future) of the steps in flight, at most two.
+        # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
+        # On CPU a forward blocks its thread, so the forwards run one after another in an executor thread.
+        # On CUDA the main thread launches them: launches return at once, and the GPU runs while we plan.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
         self.executor = None
         if config.async_scheduling:
             self.batch_queue = deque()
-            self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
+            if config.device == "cpu":
+                self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
 
     # ---- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -132,12 +150,13 @@ class EngineCore:
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Async scheduling (vLLM's batch queue): plan step N+1 and build its inputs while step N's forward
-        runs in the executor thread, then wait for N and take in its output. Planning N+1 counts the token
-        N is sampling as a placeholder; the model runner takes it from N's sampled ids when N+1 runs."""
+        runs (on the GPU, or in the executor thread on CPU), then wait for N and take in its output. Planning
+        N+1 counts the token N is sampling as a placeholder; the model runner takes it from N's sampled ids
+        when N+1 runs."""
         if not self.scheduler.is_finished() and len(self.batch_queue) < 2:
             out = self.scheduler.schedule()
             inputs = self.model_runner.prepare_inputs(out)
-            self.batch_queue.append((out, self.executor.submit(self.model_runner.execute_model, out, inputs)))
+            self.batch_queue.append((out, self._submit(out, inputs)))
             if len(self.batch_queue) < 2:
                 return []  # go plan the next step while this one runs
         if not self.batch_queue:
@@ -148,6 +167,17 @@ class EngineCore:
         except Exception as error:
             return self._fail(out.seqs + out.preempted, error)
         return self._update_from_output(out, token_ids)
+
+    def _submit(self, out: SchedulerOutput, inputs) -> Future:
+        """Start a step's forward; its future gives the sampled ids (a CPU tensor)."""
+        if self.executor is not None:
+            return self.executor.submit(self.model_runner.execute_model, out, inputs)
+        try:
+            return LaunchedStep(self.model_runner.execute_model(out, inputs))
+        except Exception as error:  # failed at launch: the step fails when its turn comes, as on CPU
+            future = Future()
+            future.set_exception(error)
+            return future
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
         """Append the sampled tokens, detokenize, look for stop strings, finish requests."""
