@@ -201,7 +201,8 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     warmup = prompts[0][: args.prefix_len] if args.shared_prefix else list(range(1, 33))
     result = run_nanoserve(llm, prompts, output_lens, warmup)
     config = llm.engine.config
-    result.update(dtype=config.dtype, device=config.device, block_size=config.block_size)
+    result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
+                  async_scheduling=config.async_scheduling)
     del llm
     gc.collect()  # give back the KV cache before the next engine allocates its own
     return result

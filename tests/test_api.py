@@ -174,6 +174,21 @@ def test_top_k_1_is_greedy(llm, expected):
     assert completions(outputs) == expected
 
 
+@pytest.mark.parametrize("option", [dict(top_p=1e-6), dict(min_p=1.0)])
+def test_top_p_or_min_p_alone_narrowed_to_one_token_is_greedy(llm, expected, option):
+    """Each option on its own (the sampler gets None for the unused ones), over a batch of rows."""
+    params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, **option)
+    assert completions(llm.generate(PROMPTS, params, use_tqdm=False)) == expected
+
+
+def test_a_batch_mixing_greedy_and_seeded_rows_samples_each_as_alone(llm):
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=1.0, seed=3, max_tokens=12)]
+    together = completions(llm.generate(PROMPTS[:2], params, use_tqdm=False))
+    alone = [completions(llm.generate([p], sp, use_tqdm=False))[0] for p, sp in zip(PROMPTS[:2], params)]
+    assert together == alone
+    assert alone[1] != completions(llm.generate([PROMPTS[1]], params[0], use_tqdm=False))[0]  # it did sample
+
+
 # ---- failures -------------------------------------------------------------------------------
 
 def test_failure_mid_generate_frees_every_block(tiny_models, expected, monkeypatch):

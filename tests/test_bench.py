@@ -67,6 +67,13 @@ def test_llama_cpp_peer(tmp_path):
     assert 0 <= llama["same_tokens"] <= 1 and llama["tokens_per_s"] > 0
 
 
+def test_async_scheduling_flag(config_only, tmp_path):
+    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--async-scheduling")
+    nano = report["results"]["nanoserve auto async"]
+    assert NANOSERVE_FIGURES <= nano.keys() and nano["async_scheduling"] is True
+    assert nano["output_tokens"] == report["workload"]["output_tokens"] and nano["forward_s"] > 0
+
+
 def test_shared_prefix_with_and_without_prefix_cache(config_only, tmp_path):
     report = run_bench(config_only, tmp_path / "bench.json", "--shared-prefix", "--prefix-len", "64")
     on, off = report["results"]["nanoserve (prefix cache)"], report["results"]["nanoserve (no prefix cache)"]

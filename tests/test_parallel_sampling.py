@@ -77,6 +77,15 @@ def test_preemption_takes_all_sequences_of_a_request(make, mode):  # noqa: F811
     assert x.is_finished and all(len(seq.completion_token_ids) == 3 for seq in family) and all_free(s)
 
 
+def test_every_sequence_reports_the_prompt_cache_hits(tiny_models):
+    """The first sequence prefills the prompt for all n: the request's num_cached_tokens is its hits."""
+    llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=64)
+    prompt = random_prompts(1, seed=12, low=20, high=21)[0]
+    llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    outputs = llm.generate([prompt], SamplingParams(n=3, seed=1, max_tokens=6), use_tqdm=False)
+    assert outputs[0].num_cached_tokens == 16  # 4 full blocks of the 20 tokens (the last one is computed)
+
+
 def test_n_sequences_equal_n_requests_seeded_by_the_rule(tiny_models):
     """Sequence i of a request with seed s samples as a request of its own with seed s + i."""
     llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=64)

@@ -74,3 +74,14 @@ def test_seeded_generator_is_reproducible():
     assert run(1, 2, global_seed=99) == first  # the global RNG does not matter
     assert [r[0] for r in run(1, 3)] == [r[0] for r in first]  # row 0 keeps its own stream
     assert run(3, 2) != first
+
+
+def test_options_no_row_uses_can_be_none():
+    """The engine passes None for an option no row uses (temperatures None: all greedy), over many rows."""
+    logits = torch.tensor(PROBS).log().repeat(N, 1)
+    torch.manual_seed(0)
+    assert Sampler()(logits, None, None, None, [None] * N).tolist() == [0] * N
+    ones = torch.ones(N)
+    assert set(Sampler()(logits, ones, None, torch.full((N,), 0.7), [None] * N).tolist()) == {0, 1}  # top_p alone
+    assert set(Sampler()(logits, ones, torch.full((N,), 3), None, [None] * N).tolist()) == {0, 1, 2}  # top_k alone
+    assert set(Sampler()(logits, ones, None, None, [None] * N, min_ps=torch.full((N,), 0.5)).tolist()) == {0, 1}

@@ -197,9 +197,10 @@ class EngineCore:
                 finished.add(seq.request_id)
             # (The model runner wrote the token's logprobs when it sampled it; a later step may be ahead.)
             logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_completion_tokens - 1 :][:1]
+            first = seq.group[0]  # it prefilled the prompt for all n: its cache hits, its prompt logprobs
             outputs.append(EngineCoreOutput(seq.request_id, [token_id], new_text, seq.is_finished,
-                                            seq.finish_reason, stop_reason, seq.num_cached_tokens, logprobs,
-                                            seq.group[0].prompt_logprobs, seq.index))  # (the first computes them)
+                                            seq.finish_reason, stop_reason, first.num_cached_tokens, logprobs,
+                                            first.prompt_logprobs, seq.index))
         for request_id in finished:
             del self.requests[request_id]
         if self.trace is not None:  # LLM(..., trace=True): nanoserve/tools/trace.py prints and plots it

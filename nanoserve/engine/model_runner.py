@@ -194,13 +194,9 @@ class ModelRunner:
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
             if do_sample:
                 logits_rows += [len(input_ids) - 1] * (1 + len(forks))  # n > 1: the row for every fork too
-        # Padded with -1 (numpy fills rows far faster than torch.tensor converts a list of lists).
-        block_tables = np.full((len(seqs), max(len(seq.block_table) for seq in seqs)), -1, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            block_tables[i, : len(seq.block_table)] = seq.block_table
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._tensor(block_tables, torch.int32),
+            block_tables=self._padded([seq.block_table for seq in seqs], -1, torch.int32),
             context_lens=self._tensor(context_lens, torch.int32),
             cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
             cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
@@ -249,9 +245,13 @@ class ModelRunner:
                 repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
         return sample
 
-    def _padded(self, rows: list[list[int]], pad: int) -> torch.Tensor:
-        width = max(map(len, rows))
-        return self._tensor([row + [pad] * (width - len(row)) for row in rows], torch.int64)
+    def _padded(self, rows: list[list[int]], pad: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Rows of unequal length as one tensor, padded with `pad` (numpy fills rows far faster than
+        torch.tensor converts a list of lists: it matters for 256 block tables a step)."""
+        table = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = row
+        return self._tensor(table, dtype)
 
     def prepare_prompt_logprobs(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
         """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of
@@ -307,7 +307,8 @@ class ModelRunner:
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """Copy swapped blocks, fill in the placeholders, run the batch and sample: a token id per sequence that
         samples, as a device tensor (no wait for it here). Steps run one at a time, in planning order."""
-        self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # (TP: no message otherwise)
+            self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         prev, self.prev_sampled = self.prev_sampled, None
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)

@@ -22,10 +22,11 @@ class RequestState:
     def update(self, out: EngineCoreOutput) -> RequestOutput | None:
         c = self.completions[out.index]
         c.text += out.new_text
-        c.token_ids = c.token_ids + out.new_token_ids
+        c.token_ids += out.new_token_ids
         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
         if out.new_logprobs is not None:
-            c.logprobs = (c.logprobs or []) + out.new_logprobs
+            c.logprobs = c.logprobs or []
+            c.logprobs += out.new_logprobs
         self.num_finished += out.finished
         if out.finish_reason == "abort":  # an abort ends all of the request's sequences
             for c in self.completions:
@@ -37,6 +38,8 @@ class RequestState:
             completions = [CompletionOutput(out.index, out.new_text, list(out.new_token_ids), out.finish_reason,
                                             out.stop_reason, out.new_logprobs)]
         else:
-            completions = [replace(c) for c in self.completions]  # copies: later steps go on updating ours
+            # Copies, lists included: later steps go on appending to ours (in place: linear, not quadratic).
+            completions = [replace(c, token_ids=list(c.token_ids), logprobs=c.logprobs and list(c.logprobs))
+                           for c in self.completions]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, out.num_cached_tokens,
                              completions, self.finished, out.prompt_logprobs)

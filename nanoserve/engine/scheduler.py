@@ -189,7 +189,6 @@ class Scheduler:
         """A step computes at most max_num_batched_tokens tokens. Running requests go first (a decode needs
         1, an unfinished prompt the rest of it), then waiting ones in order; each takes min(tokens it has
         left, budget left), so a long prompt is cut into chunks and one step mixes chunks and decodes."""
-        # Only a decode can need a new block: a prompt got all of its blocks when it was admitted.
         num_preempted = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if len(out.preempted) == num_preempted:  # a step that had to preempt brings nobody back or in (V1)

@@ -42,7 +42,7 @@ class Sampler(nn.Module):
         if top_ps is not None:
             probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
             # Drop a token when the more likely ones before it already reach top_p (the first always stays).
-            drop |= (probs.cumsum(dim=-1) - probs) >= top_ps[:, None]
+            drop = drop | ((probs.cumsum(dim=-1) - probs) >= top_ps[:, None])  # (drop may be one row so far)
         return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 

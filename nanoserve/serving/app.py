@@ -119,11 +119,11 @@ async def collect(outputs: Outputs, header: dict, chat: bool, n: int, logprobs: 
         c = out.outputs[0]
         index = i * n + c.index
         texts[index] = texts.get(index, "") + c.text
-        token_ids[index] = token_ids.get(index, []) + c.token_ids
-        lps[index] = lps.get(index, []) + (c.logprobs or [])
+        token_ids.setdefault(index, []).extend(c.token_ids)
+        lps.setdefault(index, []).extend(c.logprobs or [])
         endings[index] = (c.finish_reason, c.stop_reason)
-        if out.finished:
-            usage.add(len(out.prompt_token_ids), sum(len(token_ids[i * n + j]) for j in range(n)),
+        if out.finished:  # (a sequence aborted before its first token has no entry)
+            usage.add(len(out.prompt_token_ids), sum(len(token_ids.get(i * n + j, [])) for j in range(n)),
                       out.num_cached_tokens)
     choices = [make_choice(chat, False, j, texts[j], *endings[j], logprobs and logprobs(token_ids[j], lps[j]))
                for j in sorted(texts)]

@@ -73,17 +73,19 @@ class Metrics:
         return generate_latest(self.registry)
 
     async def observe(self, stream: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
-        """Pass a request's (delta) outputs through, timing its first and last token."""
-        first_token_time, num_tokens = None, 0
+        """Pass a request's (delta) outputs through, timing its first and last token. With n > 1 the
+        sequences decode side by side: TPOT counts the tokens of the longest."""
+        first_token_time, num_tokens = None, {}
         async for out in stream:
-            new_tokens = len(out.outputs[0].token_ids)
-            if first_token_time is None and new_tokens:
+            c = out.outputs[0]
+            if first_token_time is None and c.token_ids:
                 first_token_time = perf_counter()
                 self.ttft.observe(first_token_time - arrival)
-            num_tokens += new_tokens
+            num_tokens[c.index] = num_tokens.get(c.index, 0) + len(c.token_ids)
             if out.finished:
                 now = perf_counter()
                 self.e2e.observe(now - arrival)
-                if num_tokens > 1:
-                    self.tpot.observe((now - first_token_time) / (num_tokens - 1))
+                longest = max(num_tokens.values())
+                if longest > 1:
+                    self.tpot.observe((now - first_token_time) / (longest - 1))
             yield out
