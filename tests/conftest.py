@@ -1,8 +1,13 @@
 """Tiny random-weight models (fixed seed) saved as Hugging Face folders, and the transformers reference."""
 import importlib.util
 import os
+import socket
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 # The tests run several processes and threads on two cores (servers, tensor-parallel workers, the engine's
@@ -91,3 +96,27 @@ def converted(tmp_path_factory) -> tuple[Path, Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOSERVE_CACHE", str(cache))
         return cache, Path(resolve_model(None))
+
+
+def start_server(args: list[str], log: Path, env: dict | None = None) -> tuple[str, subprocess.Popen]:
+    """`python -m nanoserve.serving ARGS --port P` on a free port of 127.0.0.1, its output in `log`; returns its
+    URL and process once /health answers."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "nanoserve.serving", *args, "--port", str(port)]
+    with open(log, "w") as out:
+        process = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env or dict(os.environ),
+                                   stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return url, process
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            pytest.fail(f"the server did not start:\n{log.read_text()}")
+        time.sleep(0.2)

@@ -6,9 +6,7 @@ key), stopped by SIGTERM in the last test. Greedy answers are compared with the 
 import asyncio
 import os
 import signal
-import socket
 import subprocess
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +16,9 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import start_server
 from nanoserve import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
 API_KEY = "sk-test-nanoserve"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "smollm2"
@@ -38,32 +36,11 @@ class Server:
     log: Path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(converted, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
-    port = free_port()
     env = {**os.environ, "NANOSERVE_API_KEY": API_KEY}  # the key through the environment; --api-key is the same
-    cmd = [sys.executable, "-m", "nanoserve.serving", str(converted[1]), "--port", str(port), *SERVER_FLAGS]
-    with open(log, "w") as out:
-        process = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            process.kill()
-            pytest.fail(f"the server did not start:\n{log.read_text()}")
-        time.sleep(0.2)
+    url, process = start_server([str(converted[1]), *SERVER_FLAGS], log, env)
     yield Server(url, process, log)
     if process.poll() is None:  # the SIGTERM test did not run (-k): stop it anyway
         process.terminate()

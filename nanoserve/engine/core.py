@@ -1,6 +1,7 @@
 import os
 import queue
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import count
@@ -70,6 +71,10 @@ class EngineCore:
         self.requests: dict[str, list[tuple[Sequence, IncrementalDetokenizer | None]]] = {}  # one per n
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
+        # Called with each step's record, in this thread (`nanoserve serve --dashboard`). With none and no trace,
+        # no record is made.
+        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        self.num_recorded_steps = 0
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
         # On CPU a forward blocks its thread, so the forwards run one after another in an executor thread.
         # On CUDA the main thread launches them: launches return at once, and the GPU runs while we plan.
@@ -203,9 +208,19 @@ class EngineCore:
                                             first.prompt_logprobs, seq.index))
         for request_id in finished:
             del self.requests[request_id]
-        if self.trace is not None:  # LLM(..., trace=True): nanoserve/tools/trace.py prints and plots it
-            self.trace.append(record_step(len(self.trace), out, updated, self.scheduler))
+        if self.trace is not None or self.step_listeners:
+            self._record_step(out, updated)
         return outputs
+
+    def _record_step(self, out: SchedulerOutput, updated: list[Sequence]) -> None:
+        """LLM(..., trace=True) keeps every record (nanoserve/tools/trace.py prints and plots them); each step
+        listener gets it, then and there."""
+        record = record_step(self.num_recorded_steps, out, updated, self.scheduler)
+        self.num_recorded_steps += 1
+        if self.trace is not None:
+            self.trace.append(record)
+        for listener in self.step_listeners:
+            listener(record)
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> list[EngineCoreOutput]:
         """A step raised: exactly its requests fail (each caller gets the error) and free their blocks."""

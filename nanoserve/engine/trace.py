@@ -1,5 +1,6 @@
 """Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the queues and
-the KV pool after it. `nanoserve/tools/trace.py` prints and plots them. With trace off nothing here runs."""
+the KV pool after it. `nanoserve/tools/trace.py` prints and plots them; the server's dashboard
+(`nanoserve serve --dashboard`) streams them. With neither on, nothing here runs."""
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -64,3 +65,51 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         token_budget=scheduler.max_num_batched_tokens,
         time=perf_counter(),
     )
+
+
+@dataclass
+class StepView:
+    """One step as the step table, the timeline and the dashboard show it (StepReader.read)."""
+
+    states: dict[int, str]  # each request in the step's queues or batch, or finished in it: its state
+    labels: dict[int, str]  # each scheduled request: its tokens ("8"), "*" if it sampled nothing, "@N" if it
+    # started at position N, past its own computation: the N tokens before came from the prefix cache
+    hits: dict[int, int]  # prefills that started past their own computation: how many tokens the cache gave
+
+
+class StepReader:
+    """Reads the records in order and tells each request's state in each step: "waiting", "prefill" (a whole
+    prompt or a chunk), "decode", "idle" (running, not scheduled), "preempted" (waiting or computing again
+    after a recompute preemption, until it samples again), "swapped" or "finished"."""
+
+    def __init__(self) -> None:
+        self.recomputing: set[int] = set()  # preempted to recompute, not yet back where they were
+        self.computed: dict[int, int] = {}  # how far each request's own computation got (0 after a recompute)
+        self.live: set[int] = set()  # the requests in the queues after the step before
+
+    def read(self, rec: StepRecord) -> StepView:
+        scheduled = {r.request_id: r for r in rec.scheduled}
+        self.recomputing |= set(rec.recomputed) - scheduled.keys()
+        labels, hits = {}, {}
+        for r in rec.scheduled:
+            at = r.start != self.computed.get(r.request_id, 0)
+            labels[r.request_id] = f"{r.num_tokens}{f'@{r.start}' if at else ''}{'' if r.sampled else '*'}"
+            if at and not r.is_decode:
+                hits[r.request_id] = r.start
+            self.computed[r.request_id] = r.start + r.num_tokens
+        states = dict.fromkeys(rec.finished, "finished")
+        states |= dict.fromkeys(rec.running, "idle")
+        states |= {rid: "preempted" if rid in self.recomputing else "waiting" for rid in rec.waiting}
+        states |= dict.fromkeys(rec.swapped, "swapped")
+        for rid, r in scheduled.items():
+            states[rid] = "preempted" if rid in self.recomputing else "decode" if r.is_decode else "prefill"
+            if r.sampled:
+                self.recomputing.discard(rid)
+        self.computed.update((rid, 0) for rid in rec.recomputed)
+        # A request out of every queue has finished (or was aborted) for good: forget it, a step later (with async
+        # scheduling, the step in flight when it finished computes its token still, and drops it).
+        live = {*rec.waiting, *rec.running, *rec.swapped}
+        keep, self.live = live | self.live, live
+        self.recomputing &= keep
+        self.computed = {rid: n for rid, n in self.computed.items() if rid in keep}
+        return StepView(states, labels, hits)

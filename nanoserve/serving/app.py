@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.dashboard import add_dashboard
 from nanoserve.serving.logprobs import LogprobsFormat
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import (
@@ -196,13 +197,15 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name."""
+def build_app(engine, model_name: str, api_key: str | None = None, dashboard: bool = False) -> FastAPI:
+    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name; dashboard: serve the
+    live view of the engine at /dashboard (serving/dashboard.py)."""
     core, tokenizer = engine.engine_core, engine.tokenizer
     config = core.config
     metrics = Metrics(core, model_name)
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for the nanoserve engine")
     app.state.shutting_down = asyncio.Event()  # set when a shutdown's grace period is over: abort what runs
+    app.state.stopping = asyncio.Event()  # set when a shutdown begins: endless streams (/debug/steps) end
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     v1 = APIRouter(prefix="/v1")
@@ -280,6 +283,8 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
     async def prometheus_metrics():
         return HTTPResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    if dashboard:
+        add_dashboard(app, engine, model_name, api_key)
     add_error_handlers(app)
     return app
 

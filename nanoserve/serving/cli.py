@@ -63,6 +63,8 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="on SIGTERM/Ctrl-C, seconds to let running requests finish before aborting them")
+    parser.add_argument("--dashboard", action="store_true",
+                        help="serve a live view of the engine at /dashboard, for workshops (docs/workshop.md)")
     add_engine_flags(parser)
 
 
@@ -78,6 +80,7 @@ class Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+        self.loop.call_soon_threadsafe(self.config.app.state.stopping.set)
         self.loop.call_soon_threadsafe(self.loop.call_later, self.grace, self.config.app.state.shutting_down.set)
 
 
@@ -85,11 +88,14 @@ async def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(args.model, **engine_options(args))
     try:
         name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-        app = build_app(engine, name, args.api_key)
+        app = build_app(engine, name, args.api_key, dashboard=args.dashboard)
         # uvicorn's own deadline is a backstop: by then the app has ended every stream itself
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)
         logger.warning("serving %s on http://%s:%d", name, args.host, args.port)
+        if args.dashboard:
+            logger.warning("the dashboard: http://%s:%d/dashboard%s", args.host, args.port,
+                           "?api_key=KEY" if args.api_key else "")
         await Server(config, grace=args.shutdown_timeout).serve()
     finally:
         engine.shutdown()  # stops the engine's busy loop

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure  # a bare Figure draws with Agg: no GUI bac
 from matplotlib.patches import Patch, Rectangle
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.trace import StepReader, StepRecord
 
 # ---- each request's state in each step -------------------------------------------------------------------
 # Okabe-Ito colours, which colour-blind readers can tell apart; the two preempted states are hatched too.
@@ -45,46 +45,23 @@ def default_names(trace: list[StepRecord]) -> dict[int, str]:
 
 
 def request_states(trace: list[StepRecord]) -> dict[int, list[str]]:
-    """One state per request per step, from the records (a preempted request stays "preempted" until its
-    recomputed prefill reaches its end again)."""
+    """One state per request per step (StepReader tells them), "not arrived" before a request's first step."""
     states: dict[int, list[str]] = {}
-    recomputing: set[int] = set()
+    reader = StepReader()
     for t, rec in enumerate(trace):
-        scheduled = {r.request_id: r for r in rec.scheduled}
-        recomputing |= set(rec.recomputed) - scheduled.keys()
-        for rid in [*rec.waiting, *rec.running, *rec.swapped, *rec.finished]:
+        step = reader.read(rec).states
+        for rid in step:
             states.setdefault(rid, ["not arrived"] * t)
         for rid, row in states.items():
-            if rid in scheduled:
-                r = scheduled[rid]
-                row.append("preempted" if rid in recomputing else "decode" if r.is_decode else "prefill")
-                if r.sampled:
-                    recomputing.discard(rid)
-            elif rid in rec.swapped:
-                row.append("swapped")
-            elif rid in rec.waiting:
-                row.append("preempted" if rid in recomputing else "waiting")
-            elif rid in rec.running:
-                row.append("idle")
-            else:
-                row.append("finished")
+            row.append(step.get(rid, "finished"))
     return states
 
 
 def token_labels(trace: list[StepRecord]) -> list[dict[int, str]]:
     """Per step, per scheduled request: the tokens it computed, "*" if it sampled nothing (a chunk short of
     the end), "@N" if it started at position N, past its own computation: the tokens before were cache hits."""
-    computed: dict[int, int] = {}  # how far each request's own computation got (0 again after a recompute)
-    labels = []
-    for rec in trace:
-        step = {}
-        for r in rec.scheduled:
-            at = f"@{r.start}" if r.start != computed.get(r.request_id, 0) else ""
-            step[r.request_id] = f"{r.num_tokens}{at}{'' if r.sampled else '*'}"
-            computed[r.request_id] = r.start + r.num_tokens
-        computed.update((rid, 0) for rid in rec.recomputed)
-        labels.append(step)
-    return labels
+    reader = StepReader()
+    return [reader.read(rec).labels for rec in trace]
 
 
 # ---- the step table -----------------------------------------------------------------------------------------

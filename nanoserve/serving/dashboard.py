@@ -1,0 +1,181 @@
+"""`nanoserve serve --dashboard`: the engine at work, live, for a workshop's projector (GET /dashboard).
+
+The engine thread hands each step's record (engine/trace.py) to a `StepStream`, one of the engine core's step
+listeners. It turns the record into the page's JSON and keeps the last `max_records` of them in a bounded buffer,
+the oldest dropped; every `interval` seconds, and when the engine falls idle, it also reads the KV pools block by
+block and the requests' progress, there in the engine thread, where nothing changes under it. GET /debug/steps
+sends each browser what is new up to that reading, as one server-sent event at most every `interval` seconds: a
+browser that falls behind misses records (the event says how many), an absent one costs nothing, the engine never
+waits for either.
+Without --dashboard there is no listener and the engine records nothing.
+
+dashboard.html (plain JavaScript and SVG, nothing to install, nothing fetched from elsewhere) reads only the JSON
+that `step_json` and `read_engine` write: when the engine's records change, these two are the place to adapt.
+"""
+import asyncio
+import contextlib
+import hmac
+import json
+import threading
+from collections import deque
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from itertools import islice
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
+
+from nanoserve.engine.trace import StepReader, StepRecord, StepView
+from nanoserve.serving.protocol import APIError
+
+PAGE = Path(__file__).with_name("dashboard.html")
+COOKIE = "nanoserve_api_key"
+
+
+def step_json(rec: StepRecord, view: StepView) -> dict:
+    """One step as the page reads it (request ids: the engine's sequence ids, which the page calls R0, R1...)."""
+    return dict(
+        step=rec.step, kind=rec.kind, time=rec.time,
+        batch=[dict(seq=r.request_id, tokens=r.num_tokens, sampled=r.sampled, decode=r.is_decode,
+                    label=view.labels[r.request_id]) for r in rec.scheduled],
+        states=view.states, hits=view.hits,  # (JSON turns the ids that key them into strings)
+        recomputed=rec.recomputed, swapped_out=rec.swapped_out, swapped_in=rec.swapped_in, finished=rec.finished,
+        waiting=rec.waiting, running=rec.running, swapped=rec.swapped,
+        blocks=dict(used=rec.num_used_blocks, cached=rec.num_cached_blocks, free=rec.num_free_blocks),
+        tokens=rec.num_scheduled_tokens, budget=rec.token_budget,
+    )
+
+
+def read_engine(core, max_blocks: int, max_requests: int) -> dict:
+    """The KV pools block by block (the first max_blocks of each), the requests in each queue (the first
+    max_requests) with their progress, and the scheduler's counters. Only in the engine thread, or while it
+    has nothing to do: this walks what every step changes."""
+    scheduler, pool, host = core.scheduler, core.block_manager, core.scheduler.host_block_manager
+    queues = {"waiting": scheduler.waiting, "running": scheduler.running, "swapped": scheduler.swapped}
+    holders: dict[int, list[int]] = {}  # device block -> the sequences whose block table holds it
+    host_holders: dict[int, list[int]] = {}  # the same in the host pool, for the swapped-out sequences
+    for where, queue in ((holders, scheduler.running), (host_holders, scheduler.swapped)):
+        for seq in queue:
+            for block_id in seq.block_table:
+                if block_id < max_blocks:
+                    where.setdefault(block_id, []).append(seq.seq_id)
+    # Each block: [ref_count, 1 if its hash is in the prefix cache (a prompt with that prefix can take it),
+    # the sequences holding it]; a host block: the sequences holding it.
+    blocks = [[b.ref_count, int(b.hash != -1 and pool.hash_to_block_id.get(b.hash) == b.block_id),
+               holders.get(b.block_id, [])] for b in pool.blocks[:max_blocks]]
+    host_blocks = [host_holders.get(i, []) for i in range(min(host.num_blocks, max_blocks))] if host else []
+    requests = [dict(seq=seq.seq_id, request=seq.request_id, queue=name, prompt=seq.num_prompt_tokens,
+                     generated=seq.num_completion_tokens, max_tokens=seq.sampling_params.max_tokens,
+                     cached=seq.num_cached_tokens)
+                for name, queue in queues.items() for seq in islice(queue, max_requests)]
+    return dict(blocks=blocks, num_blocks=pool.num_blocks, host_blocks=host_blocks,
+                num_host_blocks=host.num_blocks if host else 0, requests=requests, stats=asdict(scheduler.stats))
+
+
+class StepStream:
+    """The step records, from the engine thread (`record`, a step listener) to the HTTP side (`since`)."""
+
+    def __init__(self, core, interval: float = 0.25, max_records: int = 2000, max_blocks: int = 4096,
+                 max_requests: int = 64):
+        self.core, self.interval = core, interval
+        self.max_blocks, self.max_requests = max_blocks, max_requests
+        self.reader = StepReader()  # (engine thread only) each request's state, its tokens, cache hits
+        self.records: deque[dict] = deque(maxlen=max_records)  # full: the oldest is dropped
+        self.num_records = 0  # records made so far; the buffer holds the last of them
+        self.engine: dict | None = None  # the latest read_engine
+        self.engine_time = float("-inf")
+        self.num_records_read = 0  # how many records there were when it was read
+        self.lock = threading.Lock()  # held for an append or a copy, never for longer
+
+    def read_engine(self) -> dict:
+        return read_engine(self.core, self.max_blocks, self.max_requests)
+
+    def record(self, rec: StepRecord) -> None:
+        """The step listener: the engine thread calls it after each step."""
+        step = step_json(rec, self.reader.read(rec))
+        engine = None
+        if rec.time - self.engine_time >= self.interval or not (rec.waiting or rec.running or rec.swapped):
+            engine, self.engine_time = self.read_engine(), rec.time  # (idle: the page must see the last state)
+        with self.lock:
+            self.records.append(step)
+            self.num_records += 1
+            if engine is not None:
+                self.engine, self.num_records_read = engine, self.num_records
+
+    def since(self, cursor: int) -> tuple[list[dict], int, dict | None, int]:
+        """For a reader that has had the first `cursor` records: the newer ones still in the buffer up to the
+        latest engine state (later ones wait for the next, so that the page never shows a step its blocks and
+        queues do not), how many it missed (dropped before it came), that engine state, and its next cursor."""
+        with self.lock:
+            first = self.num_records - len(self.records)  # the number of the oldest record in the buffer
+            start = max(cursor, first)
+            end = max(self.num_records_read, start)
+            return list(islice(self.records, start - first, end - first)), start - cursor, self.engine, end
+
+
+def event(name: str, data: dict) -> str:
+    return f"event: {name}\ndata: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def stream_steps(stream: StepStream, config: dict, stopping: asyncio.Event,
+                       backlog: int = 60) -> AsyncIterator[str]:
+    """Server-sent events for one browser: `config` once, then a `steps` event at most every interval with the
+    records since the last one (the `backlog` last ones first), `dropped` (how many it missed) and the engine
+    state if it changed. Ends when the server shuts down."""
+    cursor, sent = max(stream.num_records - backlog, 0), None
+    yield event("config", config)
+    while not stopping.is_set():
+        records, dropped, engine, cursor = stream.since(cursor)
+        if records or dropped or engine is not sent:
+            yield event("steps", dict(steps=records, dropped=dropped, engine=None if engine is sent else engine))
+            sent = engine
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stopping.wait(), stream.interval)
+
+
+def sent_keys(request: Request) -> list[str]:
+    """The API keys a request brings: `Authorization: Bearer KEY` (curl), `?api_key=KEY` (a link), or the cookie
+    that /dashboard?api_key=KEY sets (a browser's EventSource cannot send headers; it sends cookies)."""
+    auth = request.headers.get("authorization", "")
+    keys = [auth.removeprefix("Bearer ")] if auth.startswith("Bearer ") else []
+    return keys + [k for k in (request.query_params.get("api_key"), request.cookies.get(COOKIE)) if k]
+
+
+def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) -> StepStream:
+    """GET /dashboard (the page) and GET /debug/steps (its events), behind the server's API key when it has one.
+    `engine` is the AsyncLLM: the stream becomes a step listener of its engine core."""
+    core = engine.engine_core
+    stream = StepStream(core)
+    stream.engine = stream.read_engine()  # the server takes no request yet: the engine thread is idle
+    core.step_listeners.append(stream.record)
+    c = core.config
+    config = dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                  max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
+                  enable_prefix_caching=c.enable_prefix_caching, preemption_mode=c.preemption_mode,
+                  scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling,
+                  interval=stream.interval, max_blocks=stream.max_blocks, max_requests=stream.max_requests)
+    page = PAGE.read_text()
+
+    def check_key(request: Request) -> None:
+        if api_key and not any(hmac.compare_digest(k.encode(), api_key.encode()) for k in sent_keys(request)):
+            raise APIError(401, "Incorrect or missing API key: open /dashboard?api_key=KEY, or send "
+                           "`Authorization: Bearer KEY`", code="invalid_api_key")
+
+    @app.get("/dashboard", include_in_schema=False)
+    async def dashboard(request: Request):
+        check_key(request)
+        if api_key and "api_key" in request.query_params:  # a cookie for the page's stream, and the key off
+            url = request.url.remove_query_params("api_key")  # the address bar (the projector shows it)
+            response = RedirectResponse(url.path + (f"?{url.query}" if url.query else ""), status_code=303)
+            response.set_cookie(COOKIE, api_key, httponly=True, samesite="strict")
+            return response
+        return HTMLResponse(page)
+
+    @app.get("/debug/steps", include_in_schema=False)
+    async def debug_steps(request: Request):
+        check_key(request)
+        return StreamingResponse(stream_steps(stream, config, app.state.stopping), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    return stream

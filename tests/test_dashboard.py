@@ -1,0 +1,351 @@
+"""`nanoserve serve --dashboard`: the step-record stream (what it sends, how often, what it drops, and that nothing
+is recorded without it), its endpoints behind the API key, and the page itself in a real browser (headless
+Chromium, driven by Playwright) against a real server whose tiny KV pool forces preemptions and prefix hits."""
+import asyncio
+import json
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import start_server
+from nanoserve import LLM, AsyncLLM, SamplingParams
+from nanoserve.engine.trace import StepRecord
+from nanoserve.serving.app import build_app
+from nanoserve.serving.dashboard import PAGE, StepStream, stream_steps
+from nanoserve.tools.trace import STATES
+
+GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
+
+
+def engine_with_stream(model: str, **options) -> tuple[LLM, StepStream, list[dict]]:
+    """An LLM whose every step goes through a StepStream that reads the engine at every step (interval 0);
+    the list collects the engine state after each step."""
+    llm = LLM(model, block_size=4, max_model_len=128, **options)
+    stream, states = StepStream(llm.engine, interval=0), []
+    llm.engine.step_listeners += [stream.record, lambda rec: states.append(stream.engine)]
+    return llm, stream, states
+
+
+def records(stream: StepStream) -> list[dict]:
+    steps, dropped, _, _ = stream.since(0)
+    assert dropped == 0
+    return json.loads(json.dumps(steps))  # as the page gets them
+
+
+# ---- the stream -----------------------------------------------------------------------------------------
+def test_records_steps_blocks_and_requests(tiny_models):
+    """The default scenario of the trace tool (docs/workshop.md, exercise 2): A, B, C, D (8, 6, 5, 5 tokens) in
+    8 blocks of 4 tokens. Step 0 prefills all four; in step 1 A needs a third block and D, the newest, is
+    preempted. The records and the blocks, exactly."""
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=8)
+    for name, n in zip("ABCD", (8, 6, 5, 5)):
+        llm.engine.add_request(name, [ord(name) + 10 * j for j in range(n)], GREEDY)
+    llm.engine.step()
+    llm.engine.step()
+    step0, step1 = records(stream)
+    assert step0 == dict(
+        step=0, kind="prefill", time=step0["time"],
+        batch=[dict(seq=i, tokens=n, sampled=True, decode=False, label=str(n)) for i, n in enumerate((8, 6, 5, 5))],
+        states={"0": "prefill", "1": "prefill", "2": "prefill", "3": "prefill"}, hits={},
+        recomputed=[], swapped_out=[], swapped_in=[], finished=[], waiting=[], running=[0, 1, 2, 3], swapped=[],
+        blocks=dict(used=8, cached=0, free=0), tokens=24, budget=llm.engine.config.max_num_batched_tokens)
+    assert step1["recomputed"] == [3] and step1["waiting"] == [3] and step1["running"] == [0, 1, 2]
+    assert step1["states"] == {"0": "decode", "1": "decode", "2": "decode", "3": "preempted"}
+    assert [b["label"] for b in step1["batch"]] == ["1", "1", "1"]
+    # Blocks: [ref_count, hash in the prefix cache, holders]. The full blocks are hashed once computed: A's two,
+    # the first of B, C, D. D's blocks go back (its full one stays cached), and A takes block 7 for its ninth token.
+    assert states[0]["blocks"] == [[1, 1, [0]], [1, 1, [0]], [1, 1, [1]], [1, 0, [1]],
+                                   [1, 1, [2]], [1, 0, [2]], [1, 1, [3]], [1, 0, [3]]]
+    assert states[1]["blocks"][6:] == [[0, 1, []], [1, 0, [0]]]
+    assert [(r["seq"], r["request"], r["queue"], r["generated"]) for r in states[1]["requests"]] == [
+        (3, "D", "waiting", 1), (0, "A", "running", 2), (1, "B", "running", 2), (2, "C", "running", 2)]
+    assert states[1]["stats"]["num_preemptions"] == 1 and states[1]["host_blocks"] == []
+
+
+def test_records_prefix_hits_shared_blocks_and_swaps(tiny_models):
+    """A second prompt with the first one's 8-token prefix starts at 8 ("4@8") and shares its two blocks
+    (ref count 2); with preemption_mode="swap" a preempted request's blocks show in the host pool."""
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=8, preemption_mode="swap",
+                                             swap_space=0.001)
+    prefix, params = list(range(20, 28)), SamplingParams(temperature=0, ignore_eos=True, max_tokens=16)
+    llm.engine.add_request("first", prefix + [40, 41], params)
+    llm.engine.step()
+    llm.engine.add_request("second", prefix + [50, 51, 52, 53], params)
+    llm.engine.step()
+    second = records(stream)[1]
+    assert second["hits"] == {"1": 8} and [b["label"] for b in second["batch"]] == ["4@8"]
+    assert [b[:2] for b in states[1]["blocks"][:2]] == [[2, 1], [2, 1]] and states[1]["blocks"][0][2] == [0, 1]
+    assert [r["cached"] for r in states[1]["requests"]] == [0, 8]
+    while not any(rec["swapped_out"] for rec in records(stream)):  # both grow until one is swapped out
+        assert llm.engine.has_unfinished_requests()
+        llm.engine.step()
+    state = states[-1]
+    swapped = [r["seq"] for r in state["requests"] if r["queue"] == "swapped"]
+    assert swapped and sum(holders == swapped for holders in state["host_blocks"]) >= 2
+    assert state["num_host_blocks"] == len(state["host_blocks"]) == llm.engine.scheduler.host_block_manager.num_blocks
+
+
+def test_engine_read_at_most_every_interval_and_when_idle(tiny_models):
+    """The blocks and queues are read at the first step (the interval is an hour) and when the engine falls idle;
+    the steps in between wait for the second reading, so the page never shows steps ahead of its blocks."""
+    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
+    stream, reads, sent = StepStream(llm.engine, interval=3600), [], []
+    stream.read_engine = lambda: reads.append(len(llm.engine.scheduler.running)) or {"reading": len(reads)}
+    llm.engine.step_listeners += [stream.record, lambda rec: sent.append(stream.since(0))]
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # 8 steps
+    assert reads == [1, 0] and stream.num_records == 8
+    assert [(len(steps), engine) for steps, _, engine, _ in sent] == [(1, {"reading": 1})] * 7 + [(8, {"reading": 2})]
+
+
+def make_record(step: int) -> StepRecord:
+    return StepRecord(step=step, kind="idle", scheduled=[], recomputed=[], swapped_out=[], swapped_in=[],
+                      finished=[], waiting=[], running=[], swapped=[], num_used_blocks=0, num_cached_blocks=0,
+                      num_free_blocks=1, num_scheduled_tokens=0, token_budget=1, time=float(step))
+
+
+def idle_engine(model: str):
+    """What a StepStream reads after a record with empty queues."""
+    return LLM(model, block_size=4, num_kvcache_blocks=4).engine
+
+
+def test_bounded_buffer_drops_the_oldest(tiny_models):
+    """The engine thread only appends: a reader that comes late gets the last max_records and hears how many it
+    missed; nobody reading costs a bounded buffer."""
+    stream = StepStream(idle_engine(tiny_models["qwen3"]), max_records=5)
+    for step in range(12):
+        stream.record(make_record(step))
+    steps, dropped, engine, cursor = stream.since(0)
+    assert [s["step"] for s in steps] == [7, 8, 9, 10, 11] and dropped == 7 and cursor == 12
+    assert engine["num_blocks"] == 4
+    steps, dropped, _, cursor = stream.since(10)
+    assert [s["step"] for s in steps] == [10, 11] and dropped == 0 and cursor == 12
+    assert stream.since(12)[:2] == ([], 0) and len(stream.records) == 5
+
+
+def test_events_are_batched_at_most_every_interval(tiny_models):
+    """A thread records a step every millisecond; the stream sends one event per interval (0.1 s) with all the
+    steps since the last, none lost, none twice, in order; it ends when the server stops."""
+    stream = StepStream(idle_engine(tiny_models["qwen3"]), interval=0.1)
+    num_steps = 300
+
+    def engine_thread():
+        for step in range(num_steps):
+            stream.record(make_record(step))
+            time.sleep(0.001)
+
+    async def read() -> list[tuple[float, str]]:
+        stopping, events, received = asyncio.Event(), [], 0
+        async for text in stream_steps(stream, {"model": "m"}, stopping, backlog=0):
+            events.append((time.monotonic(), text))
+            if len(events) == 1:  # the config: now the engine starts
+                threading.Thread(target=engine_thread).start()
+            received += text.count('"step":')
+            if received == num_steps:
+                stopping.set()  # the generator ends
+        return events
+
+    events = asyncio.run(asyncio.wait_for(read(), 60))  # (a lost record would leave it waiting)
+    assert events[0][1] == 'event: config\ndata: {"model":"m"}\n\n'
+    batches = []
+    for _, text in events[1:]:
+        name, data = text.removesuffix("\n\n").split("\n")
+        assert name == "event: steps" and data.startswith("data: ")
+        batches.append(json.loads(data.removeprefix("data: ")))
+    assert [s["step"] for b in batches for s in b["steps"]] == list(range(num_steps))
+    assert all(b["dropped"] == 0 for b in batches)
+    gaps = [b[0] - a[0] for a, b in zip(events[1:], events[2:])]
+    assert min(gaps) >= 0.09 and len(batches) < num_steps / 10  # a handful of steps per event
+
+
+def test_off_by_default_nothing_recorded(tiny_models, monkeypatch):
+    """Without --dashboard (and without trace) the engine has no step listener, makes no record, and the server
+    has no dashboard routes."""
+    def fail(*args):
+        raise AssertionError("a step record was made")
+
+    monkeypatch.setattr("nanoserve.engine.core.record_step", fail)
+    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
+    llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    assert llm.engine.step_listeners == [] and llm.engine.num_recorded_steps == 0
+    engine = AsyncLLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
+    try:
+        client = TestClient(build_app(engine, "tiny"))
+        assert client.get("/dashboard").status_code == 404 and client.get("/debug/steps").status_code == 404
+        assert engine.engine_core.step_listeners == []
+    finally:
+        engine.shutdown()
+
+
+def test_page_colours_are_the_trace_tools():
+    """The page draws the timeline in the trace tool's colours; both legends say the same."""
+    page = PAGE.read_text()
+    block = page[page.index("const STATES = {"):page.index("};", page.index("const STATES = {"))]
+    entries = re.findall(r'"([a-z ]+)": \["(#[0-9a-f]{6})", "([^"]+)"\]', block)
+    assert {name: (colour, label) for name, colour, label in entries} == {
+        name: (colour, label) for name, (colour, _, label) in STATES.items() if name != "not arrived"}
+    assert "http://" not in page and "https://" not in page  # works offline: nothing fetched from elsewhere
+
+
+# ---- a real server: the endpoints, the page in a browser ---------------------------------------------------
+API_KEY = "sk-dashboard"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# 12 blocks of 16 tokens and 4 sequences: four requests of 54-60 tokens that grow by 40 need 17 blocks, so one
+# is preempted; its KV goes to 7 blocks of host memory (--swap-space: 0.005 GiB, at 0.7 MB a block).
+SERVER_FLAGS = ["--dashboard", "--api-key", API_KEY, "--num-kvcache-blocks", "12", "--max-num-seqs", "4",
+                "--preemption-mode", "swap", "--swap-space", "0.005", "--max-model-len", "256",
+                "--shutdown-timeout", "10", "--uvicorn-log-level", "warning"]
+BROWSER = shutil.which("chromium")
+BROWSER_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--no-first-run"]
+
+
+@dataclass
+class Server:
+    url: str
+    process: subprocess.Popen
+    log: Path
+
+
+@pytest.fixture(scope="module")
+def server(converted, tmp_path_factory):
+    log = tmp_path_factory.mktemp("dashboard") / "server.log"
+    url, process = start_server([str(converted[1]), *SERVER_FLAGS], log)
+    yield Server(url, process, log)
+    if process.poll() is None:  # the SIGTERM test did not run (-k)
+        process.terminate()
+        process.wait(30)
+
+
+def first_event(server: Server, query: str = "", headers: dict | None = None) -> tuple[int, str]:
+    """Open /debug/steps, read its first event, hang up."""
+    with httpx.stream("GET", f"{server.url}/debug/steps{query}", headers=headers, timeout=30) as response:
+        if response.status_code != 200:
+            return response.status_code, response.read().decode()
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = response.iter_lines()
+        return 200, "\n".join([next(lines), next(lines)])
+
+
+def test_endpoints_need_the_api_key(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        status, body = first_event(server, headers=headers)
+        assert status == 401 and json.loads(body)["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/dashboard", headers=headers).status_code == 401
+    assert first_event(server, "?api_key=wrong")[0] == 401
+    for query, headers in (("", AUTH), (f"?api_key={API_KEY}", None)):  # curl's header, or a link's query
+        status, text = first_event(server, query, headers)
+        name, data = text.split("\n")
+        config = json.loads(data.removeprefix("data: "))
+        assert status == 200 and name == "event: config" and config["block_size"] == 16
+    # A browser: the key in the link becomes a cookie (its EventSource sends cookies, not headers), and the
+    # address bar loses it.
+    response = httpx.get(f"{server.url}/dashboard?steps=60&api_key={API_KEY}")
+    assert response.status_code == 303 and response.headers["location"] == "/dashboard?steps=60"
+    cookie = response.headers["set-cookie"]
+    assert cookie.startswith(f"nanoserve_api_key={API_KEY};") and "HttpOnly" in cookie
+    page = httpx.get(f"{server.url}/dashboard", cookies={"nanoserve_api_key": API_KEY})
+    assert page.status_code == 200 and "<title>nanoserve: the engine, live</title>" in page.text
+    assert first_event(server, headers={"Cookie": f"nanoserve_api_key={API_KEY}"})[0] == 200
+    assert httpx.get(f"{server.url}/dashboard", cookies={"nanoserve_api_key": "wrong"}).status_code == 401
+
+
+def complete(server: Server, prompt: list[int], first_token: threading.Event | None = None) -> None:
+    body = dict(prompt=prompt, max_tokens=40, ignore_eos=True, temperature=0, stream=True)
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=300) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if first_token is not None and line.startswith("data: {"):
+                first_token.set()
+
+
+def scrape(server: Server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics").text
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+def test_page_in_a_browser(server, tmp_path):
+    """Headless Chromium on the page while four requests run on a tiny pool. P2 shares P1's 48-token prompt
+    prefix (a hit, 3 shared blocks); four requests need more blocks than there are, so one is swapped out. What
+    the page shows, polled while they run: the queues, the block grid, the swap marker, the hit; then, idle, an
+    empty pool (but for the cache) and the counters of /metrics."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="`pip install playwright` to run it")
+    system = list(range(1000, 1048))  # 3 full blocks
+    prompts = [system + [2000 + i for i in range(6)], system + [3000 + i for i in range(6)],
+               [4000 + i for i in range(20)], [5000 + i for i in range(20)]]
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=BROWSER, args=BROWSER_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 900})
+        errors = []
+        page.on("pageerror", lambda error: errors.append(error))
+        page.goto(f"{server.url}/dashboard?steps=100&api_key={API_KEY}")
+        assert page.url == f"{server.url}/dashboard?steps=100"  # the key is off the address bar
+        page.wait_for_selector("#status[data-status=idle]")
+        assert page.locator("#kv-grid .block").count() == 12 and page.locator("#host-grid .block").count() == 7
+        def count() -> dict:
+            return page.evaluate("""() => ({
+                running: document.querySelectorAll("#queue-running .req").length,
+                swapped: document.querySelectorAll("#queue-swapped .req").length,
+                used: document.querySelectorAll("#kv-grid .block[data-state=used]").length,
+                shared: document.querySelectorAll("#kv-grid .block[data-state=shared]").length,
+                host: document.querySelectorAll("#host-grid .block[data-state=host]").length,
+                swap_marker: document.querySelectorAll("#timeline .marker[data-event=swapped_out]").length,
+                hits: [...document.querySelectorAll("#events .event[data-kind=hit]")].map(e => e.textContent),
+            })""")
+
+        first_token = threading.Event()
+        threads = [threading.Thread(target=complete, args=(server, prompts[0], first_token))]
+        threads[0].start()
+        assert first_token.wait(120)  # P1's prompt is computed: its blocks are in the prefix cache
+        threads += [threading.Thread(target=complete, args=(server, prompt)) for prompt in prompts[1:]]
+        for thread in threads[1:]:
+            thread.start()
+        seen: dict[str, int] = {}
+        while any(thread.is_alive() for thread in threads):
+            now = count()
+            if now["swapped"] and not seen.get("swapped"):
+                page.screenshot(path=tmp_path / "dashboard.png")
+            for key, value in now.items():
+                seen[key] = max(seen.get(key, 0), len(value) if key == "hits" else value)
+            time.sleep(0.05)
+        page.wait_for_selector("#status[data-status=idle]")
+        final = count()
+        counters = {c: page.inner_text(f"#{c} b") for c in ("c-preemptions", "c-swaps", "c-cache")}
+        page.screenshot(path=tmp_path / "dashboard_idle.png")
+        browser.close()
+    print(f"screenshots: {tmp_path}/dashboard.png, dashboard_idle.png")
+    assert not errors
+    assert seen["running"] >= 3 and seen["swapped"] >= 1 and seen["used"] >= 6
+    assert seen["shared"] >= 3 and seen["host"] >= 1 and seen["swap_marker"] >= 1
+    # (A request preempted to recompute, when the host pool is full, may hit the cache again when it comes back.)
+    hits = [re.fullmatch(r"step \d+⟲R\d+: (\d+) prompt tokens from the prefix cache", hit)[1] for hit in final["hits"]]
+    assert hits[-1] == "48"  # P2, the oldest in the list
+    assert (final["running"], final["swapped"], final["used"], final["shared"], final["host"]) == (0, 0, 0, 0, 0)
+    metrics = scrape(server)
+    assert metrics["nanoserve:num_preemptions_total"] >= 1
+    assert counters["c-preemptions"] == str(int(metrics["nanoserve:num_preemptions_total"]))
+    assert int(counters["c-swaps"]) >= 1
+    assert counters["c-cache"].startswith(f"{int(metrics['nanoserve:prefix_cache_hits_total'])} (")
+
+
+def test_sigterm_ends_the_stream_at_once(server):
+    """The last test: a browser's stream does not hold the server up for its --shutdown-timeout (10 s)."""
+    with httpx.stream("GET", f"{server.url}/debug/steps", headers=AUTH, timeout=30) as response:
+        lines = response.iter_lines()
+        assert next(lines) == "event: config"
+        start = time.monotonic()
+        server.process.send_signal(signal.SIGTERM)
+        for _ in lines:  # until the server ends the stream
+            pass
+    assert server.process.wait(30) == 0 and time.monotonic() - start < 5, server.log.read_text()
+    assert "Traceback" not in server.log.read_text()
