@@ -142,7 +142,7 @@ def sent_keys(request: Request) -> list[str]:
     return keys + [k for k in (request.query_params.get("api_key"), request.cookies.get(COOKIE)) if k]
 
 
-def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) -> StepStream:
+def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) -> None:
     """GET /dashboard (the page) and GET /debug/steps (its events), behind the server's API key when it has one.
     `engine` is the AsyncLLM: the stream becomes a step listener of its engine core."""
     core = engine.engine_core
@@ -154,7 +154,7 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
                   max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
                   enable_prefix_caching=c.enable_prefix_caching, preemption_mode=c.preemption_mode,
                   scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling,
-                  interval=stream.interval, max_blocks=stream.max_blocks, max_requests=stream.max_requests)
+                  max_requests=stream.max_requests)
     page = PAGE.read_text()
 
     def check_key(request: Request) -> None:
@@ -177,5 +177,3 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
         check_key(request)
         return StreamingResponse(stream_steps(stream, config, app.state.stopping), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-
-    return stream
