@@ -69,6 +69,7 @@ def test_records_steps_blocks_and_requests(tiny_models):
     assert states[1]["blocks"][6:] == [[0, 1, []], [1, 0, [0]]]
     assert [(r["seq"], r["request"], r["queue"], r["generated"]) for r in states[1]["requests"]] == [
         (3, "D", "waiting", 1), (0, "A", "running", 2), (1, "B", "running", 2), (2, "C", "running", 2)]
+    assert states[1]["queue_lengths"] == {"waiting": 1, "running": 3, "swapped": 0}
     assert states[1]["stats"]["num_preemptions"] == 1 and states[1]["host_blocks"] == []
 
 
@@ -105,6 +106,23 @@ def test_engine_read_at_most_every_interval_and_when_idle(tiny_models):
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # 8 steps
     assert reads == [1, 0] and stream.num_records == 8
     assert [(len(steps), engine) for steps, _, engine, _ in sent] == [(1, {"reading": 1})] * 7 + [(8, {"reading": 2})]
+
+
+def test_an_abort_that_leaves_the_engine_idle_is_read(tiny_models):
+    """Aborts make no step; the last one, which leaves the engine idle with no step to come, is read at once."""
+    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
+    stream = StepStream(llm.engine, interval=3600)
+    llm.engine.step_listeners.append(stream.record)
+    for name in "AB":
+        llm.engine.add_request(name, [ord(name), 5, 6, 7, 8], GREEDY)
+    llm.engine.step()
+    assert stream.engine["queue_lengths"]["running"] == 2
+    llm.engine.abort_request("A")  # B runs on: its next step is read when the interval allows
+    assert stream.engine["queue_lengths"]["running"] == 2
+    llm.engine.abort_request("B")
+    assert stream.engine["queue_lengths"] == {"waiting": 0, "running": 0, "swapped": 0}
+    assert stream.engine["requests"] == [] and all(ref == 0 for ref, _, _ in stream.engine["blocks"])
+    assert stream.num_records == 1
 
 
 def make_record(step: int) -> StepRecord:
@@ -259,12 +277,12 @@ def test_endpoints_need_the_api_key(server):
     assert httpx.get(f"{server.url}/dashboard", cookies={"nanoserve_api_key": "wrong"}).status_code == 401
 
 
-def complete(server: Server, prompt: list[int], first_token: threading.Event | None = None) -> None:
+def complete(server: Server, prompt: list[int], first_token: threading.Event) -> None:
     body = dict(prompt=prompt, max_tokens=40, ignore_eos=True, temperature=0, stream=True)
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=300) as response:
         assert response.status_code == 200
         for line in response.iter_lines():
-            if first_token is not None and line.startswith("data: {"):
+            if line.startswith("data: {"):
                 first_token.set()
 
 
@@ -303,13 +321,12 @@ def test_page_in_a_browser(server, tmp_path):
                 hits: [...document.querySelectorAll("#events .event[data-kind=hit]")].map(e => e.textContent),
             })""")
 
-        first_token = threading.Event()
-        threads = [threading.Thread(target=complete, args=(server, prompts[0], first_token))]
-        threads[0].start()
-        assert first_token.wait(120)  # P1's prompt is computed: its blocks are in the prefix cache
-        threads += [threading.Thread(target=complete, args=(server, prompt)) for prompt in prompts[1:]]
-        for thread in threads[1:]:
-            thread.start()
+        threads = []
+        for prompt in prompts:  # one after the other: P1's prompt is in the prefix cache when P2 comes, and
+            first_token = threading.Event()  # the newest, P4, is the first to be swapped out
+            threads.append(threading.Thread(target=complete, args=(server, prompt, first_token)))
+            threads[-1].start()
+            assert first_token.wait(120)
         seen: dict[str, int] = {}
         while any(thread.is_alive() for thread in threads):
             now = count()
@@ -321,17 +338,27 @@ def test_page_in_a_browser(server, tmp_path):
         page.wait_for_selector("#status[data-status=idle]")
         final = count()
         counters = {c: page.inner_text(f"#{c} b") for c in ("c-preemptions", "c-swaps", "c-cache")}
+        metrics = scrape(server)
         page.screenshot(path=tmp_path / "dashboard_idle.png")
+        # A client that hangs up aborts its request: with nothing else running, no step follows, and the page
+        # shows the engine idle all the same.
+        body = dict(prompt=prompts[2], max_tokens=150, ignore_eos=True, stream=True)  # (11 blocks: it fits)
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, headers=AUTH, timeout=60) as response:
+            assert response.status_code == 200
+            page.wait_for_selector("#queue-running .req")
+            next(response.iter_lines())
+        page.wait_for_selector("#status[data-status=idle]")
+        aborted = count()
         browser.close()
     print(f"screenshots: {tmp_path}/dashboard.png, dashboard_idle.png")
     assert not errors
     assert seen["running"] >= 3 and seen["swapped"] >= 1 and seen["used"] >= 6
     assert seen["shared"] >= 3 and seen["host"] >= 1 and seen["swap_marker"] >= 1
     # (A request preempted to recompute, when the host pool is full, may hit the cache again when it comes back.)
-    hits = [re.fullmatch(r"step \d+⟲R\d+: (\d+) prompt tokens from the prefix cache", hit)[1] for hit in final["hits"]]
-    assert hits[-1] == "48"  # P2, the oldest in the list
-    assert (final["running"], final["swapped"], final["used"], final["shared"], final["host"]) == (0, 0, 0, 0, 0)
-    metrics = scrape(server)
+    hits = [re.fullmatch(r"step \d+⟲(R\d+): (\d+) prompt tokens from the prefix cache", hit) for hit in final["hits"]]
+    assert hits[-1].groups() == ("R1", "48")  # P2, the oldest in the list
+    for state in (final, aborted):
+        assert (state["running"], state["swapped"], state["used"], state["shared"], state["host"]) == (0, 0, 0, 0, 0)
     assert metrics["nanoserve:num_preemptions_total"] >= 1
     assert counters["c-preemptions"] == str(int(metrics["nanoserve:num_preemptions_total"]))
     assert int(counters["c-swaps"]) >= 1

@@ -71,9 +71,9 @@ class EngineCore:
         self.requests: dict[str, list[tuple[Sequence, IncrementalDetokenizer | None]]] = {}  # one per n
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
-        # Called with each step's record, in this thread (`nanoserve serve --dashboard`). With none and no trace,
-        # no record is made.
-        self.step_listeners: list[Callable[[StepRecord], None]] = []
+        # Called in this thread with each step's record, and with None when an abort changed the queues and the
+        # blocks between steps (`nanoserve serve --dashboard`). With none and no trace, no record is made.
+        self.step_listeners: list[Callable[[StepRecord | None], None]] = []
         self.num_recorded_steps = 0
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
         # On CPU a forward blocks its thread, so the forwards run one after another in an executor thread.
@@ -133,6 +133,8 @@ class EngineCore:
             return False
         for seq, _ in self.requests.pop(request_id):
             self.scheduler.abort(seq)
+        for listener in self.step_listeners:
+            listener(None)
         return True
 
     def has_unfinished_requests(self) -> bool:

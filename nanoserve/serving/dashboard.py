@@ -2,12 +2,12 @@
 
 The engine thread hands each step's record (engine/trace.py) to a `StepStream`, one of the engine core's step
 listeners. It turns the record into the page's JSON and keeps the last `max_records` of them in a bounded buffer,
-the oldest dropped; every `interval` seconds, and when the engine falls idle, it also reads the KV pools block by
-block and the requests' progress, there in the engine thread, where nothing changes under it. GET /debug/steps
-sends each browser what is new up to that reading, as one server-sent event at most every `interval` seconds: a
-browser that falls behind misses records (the event says how many), an absent one costs nothing, the engine never
-waits for either.
-Without --dashboard there is no listener and the engine records nothing.
+the oldest dropped; every `interval` seconds, and when the engine falls idle (after a step or an abort), it also
+reads the KV pools block by block and the queues with each request's progress, there in the engine thread, where
+nothing changes under it. GET /debug/steps sends each browser what is new up to that reading, as one server-sent
+event at most every `interval` seconds: a browser that falls behind misses records (the event says how many), an
+absent one costs nothing, the engine never waits for either. Without --dashboard there is no listener and the
+engine records nothing.
 
 dashboard.html (plain JavaScript and SVG, nothing to install, nothing fetched from elsewhere) reads only the JSON
 that `step_json` and `read_engine` write: when the engine's records change, these two are the place to adapt.
@@ -70,7 +70,8 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
                      cached=seq.num_cached_tokens)
                 for name, queue in queues.items() for seq in islice(queue, max_requests)]
     return dict(blocks=blocks, num_blocks=pool.num_blocks, host_blocks=host_blocks,
-                num_host_blocks=host.num_blocks if host else 0, requests=requests, stats=asdict(scheduler.stats))
+                num_host_blocks=host.num_blocks if host else 0, requests=requests,
+                queue_lengths={name: len(queue) for name, queue in queues.items()}, stats=asdict(scheduler.stats))
 
 
 class StepStream:
@@ -91,8 +92,15 @@ class StepStream:
     def read_engine(self) -> dict:
         return read_engine(self.core, self.max_blocks, self.max_requests)
 
-    def record(self, rec: StepRecord) -> None:
-        """The step listener: the engine thread calls it after each step."""
+    def record(self, rec: StepRecord | None) -> None:
+        """The step listener: the engine thread calls it after each step, and with None after an abort between
+        steps. An abort that leaves the engine idle has no step to come after it: read the engine now."""
+        if rec is None:
+            if self.core.scheduler.is_finished():
+                engine = self.read_engine()
+                with self.lock:
+                    self.engine = engine
+            return
         step = step_json(rec, self.reader.read(rec))
         engine = None
         if rec.time - self.engine_time >= self.interval or not (rec.waiting or rec.running or rec.swapped):
@@ -153,8 +161,7 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
     config = dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                   max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
                   enable_prefix_caching=c.enable_prefix_caching, preemption_mode=c.preemption_mode,
-                  scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling,
-                  max_requests=stream.max_requests)
+                  scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling)
     page = PAGE.read_text()
 
     def check_key(request: Request) -> None:
