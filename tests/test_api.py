@@ -42,15 +42,15 @@ def assert_usable(llm: LLM, expected) -> None:
 
 def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
     """Make the n-th model forward raise, as an out-of-memory or a kernel error would."""
-    run, calls = llm.engine.model_runner.run, []
+    execute, calls = llm.engine.executor.execute_model, []
 
-    def failing_run(seqs):
+    def failing_execute(out, inputs):
         calls.append(1)
         if len(calls) == n:
             raise RuntimeError("injected failure")
-        return run(seqs)
+        return execute(out, inputs)
 
-    monkeypatch.setattr(llm.engine.model_runner, "run", failing_run)
+    monkeypatch.setattr(llm.engine.executor, "execute_model", failing_execute)
 
 
 # ---- bad input ------------------------------------------------------------------------------
