@@ -66,8 +66,9 @@ class Sequence:
     @property
     def num_outputs_in_flight(self) -> int:
         """Output tokens before the one the planned step samples that are not known yet: with async scheduling,
-        1 while the step before is still sampling it, else 0. (For a sequence that samples in the planned step.)"""
-        return self.num_output_placeholders - 1
+        1 while the step before is still sampling it, else 0. (Read on a sequence that samples in the planned
+        step: its own placeholder counts from then on; a fork samples from its parent's row and has none.)"""
+        return max(self.num_output_placeholders - 1, 0)
 
     @property
     def num_blocks(self) -> int:
