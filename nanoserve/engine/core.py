@@ -76,7 +76,7 @@ class EngineCore:
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
-        # On CPU a forward blocks its thread, so the forwards run one after another in an executor thread.
+        # On CPU a forward blocks its thread, so the forwards run one after another in a thread of their own.
         # On CUDA the main thread launches them: launches return at once, and the GPU runs while we plan.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
         self.forward_thread = None

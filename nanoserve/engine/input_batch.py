@@ -15,6 +15,7 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
+from nanoserve.utils.math import cdiv
 
 LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
 
@@ -76,7 +77,7 @@ class InputBuilder:
             q_lens.append(num_tokens)
             context_lens.append(end)
             # Token p goes to slot block_table[p // bs] * bs + p % bs: one range per block it touches.
-            for i in range(start // bs, (end - 1) // bs + 1):
+            for i in range(start // bs, cdiv(end, bs)):
                 base = (seq.block_table[i] - i) * bs
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
             if do_sample:
