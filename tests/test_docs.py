@@ -55,6 +55,7 @@ ELSEWHERE = {  # names the docs quote that belong to other projects or to the sh
     "cores": "a formula's count of CPU cores (docs/tensor_parallel.md)",
     "uptime": "the shell command whose load average the benchmarks report",
     "null": "JSON's None", "true": "JSON's True",
+    "NaN": "what Python's JSON reader takes for a float NaN", "Infinity": "and for infinity",
     "OMP_WAIT_POLICY": "OpenMP's environment variable",
     "OMP_NUM_THREADS": "OpenMP's environment variable",
     "avx512_bf16": "a /proc/cpuinfo flag", "avx512_vnni": "a /proc/cpuinfo flag",
