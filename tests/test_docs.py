@@ -43,6 +43,7 @@ PROGRAMS = {  # the command lines the docs show -> the file whose argparse flags
     ("python", "-m", "nanoserve.tools.trace"): "nanoserve/tools/trace.py",
     ("python", "-m", "nanoserve.serving"): "serve", ("nanoserve", "serve"): "serve",
 }
+EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
 ALIASES = {"F": "torch.nn.functional", "np": "numpy", "dist": "torch.distributed", "nn": "torch.nn"}
 ELSEWHERE = {  # names the docs quote that belong to other projects or to the shell, with the reason
     "generate_batch": "transformers' continuous batching (bench.py's transformers-cb peer)",
@@ -360,21 +361,20 @@ def parse_span(text: str) -> ast.AST | None:
     return None
 
 
-def command_problems(tokens: list[str], index: Index, pyproject: dict) -> list[str]:
+def command_problems(tokens: list[str], index: Index) -> list[str]:
     problems = []
     while tokens and re.match(r"^[A-Z_]+=", tokens[0]):  # VAR=value python ...: an environment setting
         tokens = tokens[1:]
     program = next((p for prefix, p in PROGRAMS.items() if tuple(tokens[: len(prefix)]) == prefix), None)
     if program == "bench.py" and "--serve" in tokens:  # forwarded to benchmarks/serve.py
         program = "benchmarks/serve.py"
-    extras = set(pyproject["project"]["optional-dependencies"])
     for token in tokens:
         if program and token.lstrip("[").startswith("--"):  # [--model PATH]: an optional flag
             flag = token.strip("[]").split("=")[0]
             if flag not in index.flags[program] | {"--help", "--serve"}:
                 problems.append(f"{program} has no flag {flag}")
         elif (m := re.match(r"^\.\[([\w,-]+)\]$", token)):
-            problems += [f"pyproject.toml has no extra [{e}]" for e in m[1].split(",") if e not in extras]
+            problems += [f"pyproject.toml has no extra [{e}]" for e in m[1].split(",") if e not in EXTRAS]
         elif re.match(r"^[\w./-]+\.py(::\w+)?$", token) and (p := path_problem(token, ROOT)):
             problems.append(f"{token}: {p}")
     return problems
@@ -409,23 +409,30 @@ def commands(block: str) -> list[tuple[int, list[str]]]:
     return found
 
 
-def quote_problems(q: Quote, index: Index, pyproject: dict) -> list[str]:
+def quote_problems(q: Quote, index: Index) -> list[str]:
     text = q.text
+    if q.block is None:
+        return [f"{q.where()}: `{text}`: {p}" for p in inline_problems(text, q.doc, index)]
     if q.block == "python":
         try:
             tree = ast.parse(text)
         except SyntaxError as e:
             return [f"{q.where(e.lineno - 1)}: the python block does not parse: {e.msg}"]
         return [f"{q.where(line - 1)}: {p}" for line, p in python_problems(tree, index, check_strings=False)]
-    if q.block is not None:  # shell (or a trace, a diagram: only lines that run one of the programs count)
-        return [f"{q.where(number)}: `{' '.join(c)}`: {p}" for number, c in commands(text)
-                if c[0] in ("python", "nanoserve", "pip") or re.match(r"^[A-Z_]+=", c[0])
-                for p in command_problems(c, index, pyproject)]
+    # shell (or a trace, a diagram: only the lines that run one of the programs count)
+    return [f"{q.where(number)}: `{' '.join(c)}`: {p}" for number, c in commands(text)
+            if c[0] in ("python", "nanoserve", "pip") or re.match(r"^[A-Z_]+=", c[0])
+            for p in command_problems(c, index)]
+
+
+def inline_problems(text: str, doc: Path, index: Index) -> list[str]:
+    """What is wrong with one `inline` quote, by what it looks like: a command, a flag, a route, a metric, an
+    environment variable, a path, or Python."""
     problems = []
     if text in ELSEWHERE or text in index.strings:
         pass
     elif re.match(r"^(python|nanoserve|pip) ", text):
-        problems = command_problems(shlex.split(text), index, pyproject)
+        problems = command_problems(shlex.split(text), index)
     elif text.startswith("--"):
         flag = text.split()[0].split("=")[0]
         if not any(flag in flags for flags in index.flags.values()):
@@ -442,19 +449,18 @@ def quote_problems(q: Quote, index: Index, pyproject: dict) -> list[str]:
             problems = [f"the code reads no environment variable {m[1] or m[2]}"]
     elif re.match(r"^[\w*-]+\.(txt|png|json|gguf|toml|safetensors)$", text):
         pass  # a file a program writes or a model folder holds (`NAME.txt`, `config.json`)
-    elif re.match(r"^\.?[\w.-]+(/[\w.-]*)*(::\w+)?$", text) and is_path(text, q.doc):
-        problems = [p] if (p := path_problem(text, q.doc)) else []
+    elif re.match(r"^\.?[\w.-]+(/[\w.-]*)*(::\w+)?$", text) and is_path(text, doc):
+        problems = [p] if (p := path_problem(text, doc)) else []
     elif re.search(r"\w", text) and text.isascii() and not re.search(r"[~$]", text):  # Python, if it parses
         # (`A:8` does not; `q @ kᵀ`, not ASCII, is a formula)
         tree = parse_span(text)
         if tree is not None:
             problems = [p for _, p in python_problems(tree, index, check_strings=True)]
-    return [f"{q.where()}: `{text}`: {p}" for p in problems]
+    return problems
 
 
 def test_docs_name_only_what_exists(index):
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    problems = [p for doc in DOCS for q in quotes(doc) for p in quote_problems(q, index, pyproject)]
+    problems = [p for doc in DOCS for q in quotes(doc) for p in quote_problems(q, index)]
     assert not problems, "docs name what the code lacks:\n" + "\n".join(problems)
 
 
@@ -540,8 +546,7 @@ def test_the_checks_can_fail(index, tmp_path):
                    "`SamplingParams(temperature=0, nothing=1)`, `app.nothing`\n"
                    "```python\nfrom nanoserve import LLM, Nothing\nLLM().no_such_method()\n```\n"
                    "```bash\nB=\"python bench.py --json x.json\"\npip install -e .\n$B --quick \\\n  --nothing\n```\n")
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    problems = [p for q in quotes(doc) for p in quote_problems(q, index, pyproject)]
+    problems = [p for q in quotes(doc) for p in quote_problems(q, index)]
     for expected in ["Scheduler has no _schedule_decode", "nothing.py`: no such file",
                      "no program of nanoserve has the flag --no-such-flag", "bench.py has no flag --no-such-flag",
                      "no_such_option is not an engine option", "step_with_no_queue is not in the code",
