@@ -98,7 +98,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
 
     llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
     assert generate(llm, prompts)[0] == expected
-    shapes = llm.engine.model_runner.call("parameter_shapes")
+    shapes = llm.engine.executor.call("parameter_shapes")
     assert [rank["lm_head.weight"][0] for rank in shapes] == [(vocab_size + 1) // 2] * N
     # Logprobs of every token: the distribution is over the real vocabulary, no padding id in it.
     params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=vocab_size, seed=0)
@@ -106,7 +106,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
     for logprobs in output.logprobs:
         assert sorted(logprobs) == list(range(vocab_size))
         assert math.isclose(sum(math.exp(lp.logprob) for lp in logprobs.values()), 1, rel_tol=1e-4)
-    procs = llm.engine.model_runner.workers.procs
+    procs = llm.engine.executor.procs
     del llm
     assert no_process_left(procs)
 
