@@ -316,6 +316,43 @@ def test_echo_streamed(client):
     assert chunks[-1].usage.completion_tokens == 0
 
 
+LM_EVAL_TASKS = ["nanoserve_mc", "nanoserve_gen", "nanoserve_ppl"]  # tests/lm_eval/*.yaml, on a local jsonl
+
+
+def test_lm_eval_scores_through_the_server_equal_hf(server, converted, tmp_path, monkeypatch):
+    """lm-evaluation-harness's `local-completions` model (echo + logprobs for loglikelihoods, stop strings for
+    generations) scores three small tasks through the server exactly as its `hf` model does on the same weights:
+    every metric, every sample's loglikelihood and is-greedy flag, every generated answer."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm_eval[api]')")
+    import datasets.config
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(ROOT)  # the task files name their data file from the repository root, as lm_eval's CLI would
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))  # not ~/.cache
+    path = str(converted[1])
+    models = {"hf": HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=1, max_length=MAX_MODEL_LEN),
+              "nanoserve": LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, tokenizer=path,
+                                               tokenizer_backend="huggingface", max_length=MAX_MODEL_LEN,
+                                               header=AUTH)}
+    tasks = TaskManager(include_path=str(ROOT / "tests" / "lm_eval"))
+    hf, served = (simple_evaluate(model=m, tasks=LM_EVAL_TASKS, task_manager=tasks, bootstrap_iters=0)
+                  for m in models.values())
+    for task in LM_EVAL_TASKS:
+        scores = {k: v for k, v in hf["results"][task].items() if isinstance(v, float)}
+        assert scores and {k: served["results"][task][k] for k in scores} == pytest.approx(scores, rel=1e-4)
+        for a, b in zip(hf["samples"][task], served["samples"][task], strict=True):
+            if task == "nanoserve_gen":
+                assert b["resps"] == a["resps"]  # the greedy answers, word for word
+            else:  # one [(loglikelihood, is_greedy)] per choice, or [loglikelihood] for a rolling text
+                expected, got = ([r if isinstance(r, tuple) else (r, None) for (r,) in x["resps"]] for x in (a, b))
+                assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], abs=1e-3)
+                assert [greedy for _, greedy in got] == [greedy for _, greedy in expected]
+    assert 0 < hf["results"]["nanoserve_mc"]["acc,none"] < 1  # neither all right nor all wrong: the scores tell
+
+
 def test_usage_counts_prefix_cache_hits(client, llm):
     prompt = "A prefix long enough to fill a few KV blocks of sixteen tokens: " + "red green blue yellow " * 12
     num_prompt = len(llm.tokenizer.encode(prompt))
