@@ -457,7 +457,7 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"prompt": "Hi", "top_k": 0}, 400, "top_k"),
-    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400, "prompt"),  # over max_model_len
     ("completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),  # not a token of this vocabulary
@@ -466,7 +466,6 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("completions", {"prompt": "Hi", "n": 1000}, 400, "n"),  # over max_num_seqs (256)
     ("completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
-    ("completions", {"prompt": "Hi", "max_tokens": 0, "echo": False}, 400, "max_tokens"),  # 0 only with echo
     ("completions", {"prompt": "Hi", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
     ("completions", {"prompt": "Hi", "max_tokens": 0, "echo": True, "min_tokens": 1}, 400, "min_tokens"),
     ("completions", {"prompt": "Hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
