@@ -316,7 +316,7 @@ def test_echo_streamed(client):
     assert chunks[-1].usage.completion_tokens == 0
 
 
-LM_EVAL_TASKS = ["nanoserve_mc", "nanoserve_gen", "nanoserve_ppl"]  # tests/lm_eval/*.yaml, on a local jsonl
+LM_EVAL_TASKS = ["nanoserve_mc", "nanoserve_gen", "nanoserve_ppl"]  # tests/lm_eval_tasks/*.yaml: a local jsonl
 
 
 def test_lm_eval_scores_through_the_server_equal_hf(server, converted, tmp_path, monkeypatch):
@@ -337,7 +337,7 @@ def test_lm_eval_scores_through_the_server_equal_hf(server, converted, tmp_path,
               "nanoserve": LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, tokenizer=path,
                                                tokenizer_backend="huggingface", max_length=MAX_MODEL_LEN,
                                                header=AUTH)}
-    tasks = TaskManager(include_path=str(ROOT / "tests" / "lm_eval"))
+    tasks = TaskManager(include_path=str(ROOT / "tests" / "lm_eval_tasks"))
     hf, served = (simple_evaluate(model=m, tasks=LM_EVAL_TASKS, task_manager=tasks, bootstrap_iters=0)
                   for m in models.values())
     for task in LM_EVAL_TASKS:
