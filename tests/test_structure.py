@@ -6,7 +6,8 @@ from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "nanoserve"
-RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.outputs"}  # importable by all
+RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structured_outputs",  # importable by all
+           "nanoserve.outputs"}
 # Higher floors import lower ones, never the reverse.
 FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4, "serving": 5, "tools": 5}
 
@@ -20,7 +21,10 @@ def floor(module: str) -> int:
     if module in RECORDS:
         return 0
     parts = module.split(".")
-    return FLOORS[parts[1]] if len(parts) > 1 else 5  # the package itself: its __init__ exports the API
+    if len(parts) == 1:
+        return 5  # the package itself: its __init__ exports the API
+    assert parts[1] in FLOORS, f"{module}: a new top-level module; place it in FLOORS or RECORDS"
+    return FLOORS[parts[1]]
 
 
 def imports(root: Path = ROOT) -> dict[str, set[str]]:
