@@ -163,3 +163,10 @@ def test_bad_specs_are_refused_before_any_work(llm):
         SamplingParams(structured_outputs={"json": {}})
     with pytest.raises(ValueError, match="min_tokens: must be 0 with structured_outputs"):
         structured("choice", ["a"], min_tokens=1)
+
+
+def test_a_model_without_a_tokenizer_is_refused(tiny_models):
+    llm = LLM(tiny_models["qwen3"], max_model_len=64, num_kvcache_blocks=8)
+    with pytest.raises(ValueError, match="structured_outputs: this model folder has no tokenizer"):
+        llm.generate([[1, 2, 3]], structured("choice", ["a"], max_tokens=4), use_tqdm=False)
+    assert not llm.engine.requests
