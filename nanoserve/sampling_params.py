@@ -63,7 +63,8 @@ class SamplingParams:
             raise ValueError("stop: an empty string would stop at once")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got {self.structured_outputs!r}")
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                                 f"got {self.structured_outputs!r}")
             if self.min_tokens:  # a complete output allows only EOS, which min_tokens rules out: nothing is left
                 raise ValueError("min_tokens: must be 0 with structured_outputs (the grammar decides where it ends)")
 

@@ -28,8 +28,9 @@ SCHEMAS = [
         "required": ["lat", "lon"]}}, "required": ["city", "location"]},
     {"type": "object", "properties": {"tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3}},
      "required": ["tags"]},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "score": {"type": "integer", "minimum": 1,
-                                                                            "maximum": 5}}, "required": ["ok", "score"]},
+    {"type": "object", "properties": {"ok": {"type": "boolean"},
+                                      "score": {"type": "integer", "minimum": 1, "maximum": 5}},
+     "required": ["ok", "score"]},
     {"type": "object", "properties": {"items": {"type": "array", "maxItems": 2, "items": {
         "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 99},
                                          "kind": {"enum": ["a", "b"]}}, "required": ["id", "kind"]}}},
