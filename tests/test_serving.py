@@ -540,22 +540,6 @@ def test_api_key(server):
     assert httpx.get(f"{server.url}/metrics").status_code == 200
 
 
-def test_sigterm_stops_the_server_with_exit_0(server):
-    """The last test: SIGTERM while a stream runs. The server lets it run for --shutdown-timeout (1 s), then
-    aborts it: the stream ends with an error event and [DONE]; the process frees everything and exits 0."""
-    with long_stream(server) as response:
-        assert response.status_code == 200
-        lines = response.iter_lines()
-        next(line for line in lines if line.startswith("data: "))
-        server.process.send_signal(signal.SIGTERM)
-        rest = [line for line in lines if line.startswith("data: ")]
-    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"
-    assert server.process.wait(30) == 0, server.log.read_text()
-    assert "Traceback" not in server.log.read_text()
-    with pytest.raises(httpx.ConnectError):
-        httpx.get(f"{server.url}/health")
-
-
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
     "required": ["city", "unit"]}}}
@@ -641,3 +625,19 @@ def test_structured_output_errors_name_the_field(server, body, param, message):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["param"] == param and error["message"].startswith(message), error
+
+
+def test_sigterm_stops_the_server_with_exit_0(server):
+    """The last test: SIGTERM while a stream runs. The server lets it run for --shutdown-timeout (1 s), then
+    aborts it: the stream ends with an error event and [DONE]; the process frees everything and exits 0."""
+    with long_stream(server) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        server.process.send_signal(signal.SIGTERM)
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert "shutting down" in rest[-2] and rest[-1] == "data: [DONE]"
+    assert server.process.wait(30) == 0, server.log.read_text()
+    assert "Traceback" not in server.log.read_text()
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(f"{server.url}/health")
