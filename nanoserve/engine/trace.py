@@ -4,13 +4,17 @@ the KV pool after it. `nanoserve/tools/trace.py` prints and plots them; the serv
 from dataclasses import dataclass
 from time import perf_counter
 
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledRequest:
-    request_id: int
+    """One sequence of the step's batch (a request with n > 1 has n of them)."""
+
+    request_id: str
+    seq_id: int
     num_tokens: int  # tokens computed this step
     start: int  # position of the first of them (num_computed_tokens before the step)
     sampled: bool  # the step reached the request's end, so a next token was sampled (async scheduling: maybe dropped)
@@ -26,7 +30,7 @@ class StepRecord:
     swapped_out: list[int]  # preempted, KV copied to host memory
     swapped_in: list[int]  # KV copied back from host memory
     finished: list[int]
-    waiting: list[int]  # the queues after the step, as request ids
+    waiting: list[int]  # the queues after the step (these lists hold sequence ids)
     running: list[int]
     swapped: list[int]
     num_used_blocks: int  # KV blocks held by running requests
@@ -35,21 +39,24 @@ class StepRecord:
     num_scheduled_tokens: int
     token_budget: int  # max_num_batched_tokens
     time: float  # wall clock (perf_counter()) when the step's output was taken in
+    seq_requests: dict[int, tuple[str, int]]  # every sequence named above: (request id, index among its n)
 
 
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
-    scheduled = [ScheduledRequest(seq.seq_id, n, start, sample, n == 1 and start >= seq.num_prompt_tokens)
-                 for seq, n, start, sample in zip(out.seqs, out.num_scheduled_tokens, out.num_computed_tokens,
-                                                  out.do_sample)]
+    scheduled = [ScheduledRequest(request_id=seq.request_id, seq_id=seq.seq_id, num_tokens=n, start=start,
+                                  sampled=sample, is_decode=out.is_decode(i))
+                 for i, (seq, n, start, sample) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
+                                                                 out.num_computed_tokens, out.do_sample))]
     decodes = [r.is_decode for r in scheduled]
     kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
+    named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *scheduler.swapped]
     return StepRecord(
-        step, kind, scheduled,
+        step=step, kind=kind, scheduled=scheduled,
         recomputed=[seq.seq_id for seq, s in zip(out.preempted, swapped) if not s],
         swapped_out=[seq.seq_id for seq, s in zip(out.preempted, swapped) if s],
         swapped_in=[seq.seq_id for seq in out.seqs if seq.block_table and seq.block_table[0] in swapped_in_blocks],
@@ -64,52 +71,53 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         num_scheduled_tokens=sum(out.num_scheduled_tokens),
         token_budget=scheduler.max_num_batched_tokens,
         time=perf_counter(),
+        seq_requests={seq.seq_id: (seq.request_id, seq.index) for seq in named},
     )
 
 
 @dataclass
 class StepView:
-    """One step as the step table, the timeline and the dashboard show it (StepReader.read)."""
+    """One step as the step table, the timeline and the dashboard show it (StepReader.read), by sequence id."""
 
-    states: dict[int, str]  # each request in the step's queues or batch, or finished in it: its state
-    labels: dict[int, str]  # each scheduled request: its tokens ("8"), "*" if it sampled nothing, "@N" if it
+    states: dict[int, str]  # each sequence in the step's queues or batch, or finished in it: its state
+    labels: dict[int, str]  # each scheduled sequence: its tokens ("8"), "*" if it sampled nothing, "@N" if it
     # started at position N, past its own computation: the N tokens before came from the prefix cache
     hits: dict[int, int]  # prefills that started past their own computation: how many tokens the cache gave
 
 
 class StepReader:
-    """Reads the records in order and tells each request's state in each step: "waiting", "prefill" (a whole
+    """Reads the records in order and tells each sequence's state in each step: "waiting", "prefill" (a whole
     prompt or a chunk), "decode", "idle" (running, not scheduled), "preempted" (waiting or computing again
     after a recompute preemption, until it samples again), "swapped" or "finished"."""
 
     def __init__(self) -> None:
         self.recomputing: set[int] = set()  # preempted to recompute, not yet back where they were
-        self.computed: dict[int, int] = {}  # how far each request's own computation got (0 after a recompute)
-        self.live: set[int] = set()  # the requests in the queues after the step before
+        self.computed: dict[int, int] = {}  # how far each sequence's own computation got (0 after a recompute)
+        self.live: set[int] = set()  # the sequences in the queues after the step before
 
     def read(self, rec: StepRecord) -> StepView:
-        scheduled = {r.request_id: r for r in rec.scheduled}
+        scheduled = {r.seq_id: r for r in rec.scheduled}
         self.recomputing |= set(rec.recomputed) - scheduled.keys()
         labels, hits = {}, {}
         for r in rec.scheduled:
-            at = r.start != self.computed.get(r.request_id, 0)
-            labels[r.request_id] = f"{r.num_tokens}{f'@{r.start}' if at else ''}{'' if r.sampled else '*'}"
+            at = r.start != self.computed.get(r.seq_id, 0)
+            labels[r.seq_id] = f"{r.num_tokens}{f'@{r.start}' if at else ''}{'' if r.sampled else '*'}"
             if at and not r.is_decode:
-                hits[r.request_id] = r.start
-            self.computed[r.request_id] = r.start + r.num_tokens
+                hits[r.seq_id] = r.start
+            self.computed[r.seq_id] = r.start + r.num_tokens
         states = dict.fromkeys(rec.finished, "finished")
         states |= dict.fromkeys(rec.running, "idle")
-        states |= {rid: "preempted" if rid in self.recomputing else "waiting" for rid in rec.waiting}
+        states |= {seq_id: "preempted" if seq_id in self.recomputing else "waiting" for seq_id in rec.waiting}
         states |= dict.fromkeys(rec.swapped, "swapped")
-        for rid, r in scheduled.items():
-            states[rid] = "preempted" if rid in self.recomputing else "decode" if r.is_decode else "prefill"
+        for seq_id, r in scheduled.items():
+            states[seq_id] = "preempted" if seq_id in self.recomputing else "decode" if r.is_decode else "prefill"
             if r.sampled:
-                self.recomputing.discard(rid)
-        self.computed.update((rid, 0) for rid in rec.recomputed)
-        # A request out of every queue has finished (or was aborted) for good: forget it, a step later (with async
+                self.recomputing.discard(seq_id)
+        self.computed.update((seq_id, 0) for seq_id in rec.recomputed)
+        # A sequence out of every queue has finished (or was aborted) for good: forget it, a step later (with async
         # scheduling, the step in flight when it finished computes its token still, and drops it).
         live = {*rec.waiting, *rec.running, *rec.swapped}
         keep, self.live = live | self.live, live
         self.recomputing &= keep
-        self.computed = {rid: n for rid, n in self.computed.items() if rid in keep}
+        self.computed = {seq_id: n for seq_id, n in self.computed.items() if seq_id in keep}
         return StepView(states, labels, hits)

@@ -37,8 +37,8 @@ def step_json(rec: StepRecord, view: StepView) -> dict:
     """One step as the page reads it (request ids: the engine's sequence ids, which the page calls R0, R1...)."""
     return dict(
         step=rec.step, kind=rec.kind, time=rec.time,
-        batch=[dict(seq=r.request_id, tokens=r.num_tokens, sampled=r.sampled, decode=r.is_decode,
-                    label=view.labels[r.request_id]) for r in rec.scheduled],
+        batch=[dict(seq=r.seq_id, tokens=r.num_tokens, sampled=r.sampled, decode=r.is_decode,
+                    label=view.labels[r.seq_id]) for r in rec.scheduled],
         states=view.states, hits=view.hits,  # (JSON turns the ids that key them into strings)
         recomputed=rec.recomputed, swapped_out=rec.swapped_out, swapped_in=rec.swapped_in, finished=rec.finished,
         waiting=rec.waiting, running=rec.running, swapped=rec.swapped,

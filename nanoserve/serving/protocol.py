@@ -1,13 +1,12 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, priority, stop_token_ids, include_stop_str_in_output); `echo`, which OpenAI defines but nanoserve
-lacks, is accepted so that it can be refused with a 400 that names it, instead of being silently ignored.
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs).
 """
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOGPROBS = 20  # the most likely tokens a response may list per position (vLLM's default max_logprobs)
 
@@ -20,6 +19,8 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields completions and chat share: which model, how to sample, when to stop, how to answer."""
 
+    # Python's JSON reader takes NaN and Infinity (and 1e999 is infinity): a 400 naming the field, not a number
+    model_config = ConfigDict(allow_inf_nan=False)
     model: str | None = None  # None: the served model
     max_tokens: int | None = None  # None: up to max_model_len, as in vLLM
     temperature: float = 1.0
@@ -39,17 +40,26 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1  # completions per prompt (up to the server's max_num_seqs)
+    # The output matches a JSON schema, regex, choice or grammar (nanoserve/serving/structured.py):
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+    structured_outputs: dict | None = None  # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
+
+    def num_prompt_logprobs(self) -> int | None:
+        return None
 
 
 class CompletionRequest(SamplingRequest):
     # a string, a list of strings, token ids, or a list of token-id lists: one choice per prompt
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its logprob and the k most likely
-    echo: bool = False  # not supported: a 400 when set
+    echo: bool = False  # the text (and logprobs) start with the prompt; then max_tokens may be 0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):
@@ -67,8 +77,21 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ToolFunction(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})  # a JSON schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # "none", "auto" (default with tools), "required" or a named function
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False  # per token: its logprob, and the top_logprobs most likely ones
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -97,11 +120,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with echo, the prompt's first: their
+    first logprob and top_logprobs are null, nothing comes before the first token)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the most likely tokens at each position, text -> logprob
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the most likely tokens at each position, text -> logprob
     text_offset: list[int]  # where each token starts in the choice's text
 
 
@@ -122,7 +146,8 @@ class ChatLogprobs(BaseModel):
 class Choice(BaseModel):
     index: int  # with n: prompt_index * n + the sequence's index
     logprobs: CompletionLogprobs | ChatLogprobs | None = None
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"; None while streaming
+    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string, complete grammar), "length",
+    # "tool_calls"; None while streaming
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
 
 
@@ -130,9 +155,16 @@ class CompletionChoice(Choice):
     text: str
 
 
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict  # {"name": ..., "arguments": the arguments as JSON text}
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Choice):
