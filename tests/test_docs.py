@@ -58,6 +58,7 @@ ELSEWHERE = {  # names the docs quote that belong to other projects or to the sh
     "dynamic": "torch.compile's option (`dynamic=True`), in the account of what was tried",
     "cores": "a formula's count of CPU cores (docs/tensor_parallel.md)",
     "uptime": "the shell command whose load average the benchmarks report",
+    "EventSource": "the browser's API for server-sent events, which nanoserve/serving/dashboard.html uses",
     "null": "JSON's None", "true": "JSON's True",
     "NaN": "what Python's JSON reader takes for a float NaN", "Infinity": "and for infinity",
     "OMP_WAIT_POLICY": "OpenMP's environment variable",
@@ -440,7 +441,7 @@ def inline_problems(text: str, doc: Path, index: Index) -> list[str]:
         flag = text.split()[0].split("=")[0]
         if not any(flag in flags for flags in index.flags.values()):
             problems = [f"no program of nanoserve has the flag {flag}"]
-    elif m := re.match(r"^(?:GET |POST )?(/(?:v1|health|metrics)[\w/]*)$", text):
+    elif m := re.match(r"^(?:GET |POST )?(/(?:v1|health|metrics|dashboard|debug)[\w/]*)$", text):
         routes = {s for s in index.strings if s.startswith("/")}
         if m[1] not in routes | {"/v1" + r for r in routes}:
             problems = [f"the server has no route {m[1]}"]
