@@ -128,7 +128,7 @@ def test_an_abort_that_leaves_the_engine_idle_is_read(tiny_models):
 def make_record(step: int) -> StepRecord:
     return StepRecord(step=step, kind="idle", scheduled=[], recomputed=[], swapped_out=[], swapped_in=[],
                       finished=[], waiting=[], running=[], swapped=[], num_used_blocks=0, num_cached_blocks=0,
-                      num_free_blocks=1, num_scheduled_tokens=0, token_budget=1, time=float(step))
+                      num_free_blocks=1, num_scheduled_tokens=0, token_budget=1, time=float(step), seq_requests={})
 
 
 def idle_engine(model: str):
