@@ -5,6 +5,7 @@ cache, no engine); its result must equal generate's token for token and in the r
 steps check the fork/drop plan the engine will act on."""
 import math
 from dataclasses import replace
+from itertools import count
 
 import pytest
 import torch
@@ -12,7 +13,10 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from conftest import ARCHS, random_prompts
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.engine.beam_search import BeamChild, BeamSearch, Candidate, Hypothesis
+from nanoserve.engine.beam_search import BeamChild, BeamSearch, BeamStepOutput, Candidate, Hypothesis
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.sequence import Sequence
+from nanoserve.sampling_params import SamplingParams
 
 WIDTHS = [1, 2, 4, 8]
 LENGTH_PENALTIES = [0.5, 1.0, 2.0]
@@ -157,11 +161,18 @@ def test_width_one_is_greedy(hf_models, early_stopping):
 
 # ---- hand-made steps: the fork / drop plan ---------------------------------------------------------------------
 EOS = 5
+BS = 4  # block size of the block-books test
 
 
 def logits(*probs: list[float]) -> torch.Tensor:
     """Logits whose log_softmax is log(probs): one row per live beam."""
     return torch.log(torch.tensor(probs))
+
+
+# Width 2, EOS 5, max_tokens 3, a vocabulary of 6: the next-token probabilities of each live beam, step by step.
+STEPS = [logits([0.04, 0.4, 0.3, 0.06, 0.05, 0.15]),
+         logits([0.02, 0.03, 0.04, 0.25, 0.16, 0.5], [0.21, 0.2, 0.19, 0.18, 0.12, 0.10]),
+         logits([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.05, 0.05, 0.1, 0.7])]
 
 
 def test_step_plan_and_scores():
@@ -170,13 +181,13 @@ def test_step_plan_and_scores():
     assert search.num_candidates == 4
     # Step 1, the prompt's row. Candidates: 1 (.4), 2 (.3), EOS (.15), 3 (.06). The EOS ranks 3rd, below the
     # width: a spare, dropped. Both children come from the one parent: the second is a fork.
-    out = search.step(logits([0.04, 0.4, 0.3, 0.06, 0.05, 0.15]))
+    out = search.step(STEPS[0])
     assert [(c.parent, c.token_id, c.is_fork) for c in out.children] == [(0, 1, False), (0, 2, True)]
     assert out.children[1].cumulative_logprob == pytest.approx(math.log(0.3))
     assert (out.finished, out.dropped, out.done, search.hypotheses) == ([], [], False, [])
     # Step 2. Beam 0 ([1], .4): EOS .2, 3 .1, 4 .064; beam 1 ([2], .3): at most .063. The EOS ranks first: a
     # hypothesis of length 2. Beam 0 has both children (one forked), beam 1 none: it is dropped.
-    out = search.step(logits([0.02, 0.03, 0.04, 0.25, 0.16, 0.5], [0.21, 0.2, 0.19, 0.18, 0.12, 0.10]))
+    out = search.step(STEPS[1])
     assert [(c.parent, c.token_id, c.is_fork) for c in out.children] == [(0, 3, False), (0, 4, True)]
     assert out.finished == [Candidate(0, EOS, pytest.approx(math.log(0.2)))]
     assert (out.dropped, out.done) == ([1], False)
@@ -185,7 +196,7 @@ def test_step_plan_and_scores():
                                             pytest.approx(math.log(0.2) / 2), "stop")]
     # Step 3 reaches max_tokens: every candidate is finished, the best two (.05 and the EOS's .0448) are
     # hypotheses. With length_penalty 1, [1, 5] (-0.80) and [1, 3, 0] (-1.00) beat [1, 4, 5] (-1.04).
-    out = search.step(logits([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.05, 0.05, 0.1, 0.7]))
+    out = search.step(STEPS[2])
     assert (out.children, out.dropped, out.done, search.beams) == ([], [0, 1], True, [])
     assert out.finished == [Candidate(0, 0, pytest.approx(math.log(0.05)))]
     assert [(h.token_ids, h.finish_reason) for h in search.hypotheses] == [([1, EOS], "stop"), ([1, 3, 0], "length")]
@@ -197,9 +208,9 @@ def test_step_plan_and_scores():
 def test_length_penalty_reorders():
     """The same steps with length_penalty 2: longer hypotheses score higher, [1, 5] falls out."""
     search = BeamSearch(BeamSearchParams(beam_width=2, max_tokens=3, length_penalty=2.0), [EOS])
-    search.step(logits([0.04, 0.4, 0.3, 0.06, 0.05, 0.15]))
-    search.step(logits([0.02, 0.03, 0.04, 0.25, 0.16, 0.5], [0.21, 0.2, 0.19, 0.18, 0.12, 0.10]))
-    out = search.step(logits([0.5, 0.2, 0.1, 0.1, 0.05, 0.05], [0.05, 0.05, 0.05, 0.05, 0.1, 0.7]))
+    search.step(STEPS[0])
+    search.step(STEPS[1])
+    out = search.step(STEPS[2])
     assert [h.token_ids for h in search.hypotheses] == [[1, 3, 0], [1, 4, EOS]]
     assert [h.score for h in search.hypotheses] == pytest.approx([math.log(0.05) / 9, math.log(0.0448) / 9])
     assert out.finished == [Candidate(0, 0, pytest.approx(math.log(0.05))),
@@ -282,3 +293,47 @@ def test_params_accepted():
     params = BeamSearchParams(beam_width=1, max_tokens=1, temperature=1, length_penalty=-1.0, early_stopping="never")
     assert (params.ignore_eos, params.temperature, params.early_stopping) == (False, 1, "never")
     assert BeamSearchParams(beam_width=3, max_tokens=5).early_stopping is False
+
+
+# ---- the block books: the step's plan acted out on the BlockManager, as the engine will --------------------------
+def act_out(bm: BlockManager, seqs: list[Sequence], out: BeamStepOutput,
+            seq_ids) -> tuple[list[Sequence], list[tuple[int, int]]]:
+    """Free the dropped beams; the first child of a parent takes over its sequence, the others fork from it
+    (shared blocks) before anyone appends; then each appends its token and reserves its slot, copying the last
+    block when it is shared (copy-on-write). Returns the new live sequences and the blocks to copy."""
+    for i in out.dropped:
+        bm.deallocate(seqs[i])
+    children = []
+    for child in out.children:
+        parent = seqs[child.parent]
+        if child.is_fork:
+            fork = Sequence(next(seq_ids), parent.token_ids, parent.sampling_params, BS)
+            bm.fork(parent, fork)
+            children.append(fork)
+        else:
+            children.append(parent)
+    copies = []
+    for seq, child in zip(children, out.children):
+        seq.append_token(child.token_id)
+        assert bm.can_append(seq)
+        copies += bm.may_append(seq)
+    return children, copies
+
+
+def test_block_books():
+    """The hand-made steps on a prompt of 6 tokens in blocks of 4 (docs/beam_search.md draws this table)."""
+    bm = BlockManager(8, BS)
+    prompt = Sequence(0, list(range(10, 16)), SamplingParams(), BS)
+    assert bm.allocate(prompt)
+    search, seqs, seq_ids = BeamSearch(BeamSearchParams(beam_width=2, max_tokens=3), [EOS]), [prompt], count(1)
+    books = []
+    for row in STEPS:
+        seqs, copies = act_out(bm, seqs, search.step(row), seq_ids)
+        books.append(([list(s.block_table) for s in seqs], [b.ref_count for b in bm.blocks], copies))
+        for block in bm.blocks:  # every ref count is the number of block tables that hold the block
+            assert block.ref_count == sum(s.block_table.count(block.block_id) for s in seqs)
+    assert books == [
+        ([[0, 2], [0, 1]], [2, 1, 1, 0, 0, 0, 0, 0], [(1, 2)]),  # a fork: block 0 shared, block 1 copied (CoW)
+        ([[0, 3], [0, 2]], [2, 0, 1, 1, 0, 0, 0, 0], [(2, 3)]),  # beam [2] dropped (block 1 freed), [1] forked
+        ([], [0] * 8, []),  # max_tokens: all beams finished, every block free
+    ]
