@@ -88,7 +88,9 @@ class BeamSearch:
     def __init__(self, params: BeamSearchParams, eos_token_ids: list[int]):
         self.params = params
         self.eos_token_ids = [] if params.ignore_eos else list(eos_token_ids)
+        # Spares: even if every beam's best continuation is an EOS, beam_width others are left to go on with.
         self.num_candidates = max(2, 1 + len(self.eos_token_ids)) * params.beam_width
+        # generate(num_beams=1) is greedy search: it stops at the first EOS, as early_stopping=True does here.
         self.early_stopping = True if params.beam_width == 1 else params.early_stopping
         self.beams = [Beam(token_ids=[], cumulative_logprob=0.0)]
         self.hypotheses: list[Hypothesis] = []
@@ -126,7 +128,7 @@ class BeamSearch:
             parent, token_id = divmod(index, vocab_size)
             stop = token_id in self.eos_token_ids
             if stop or length == max_tokens:
-                if rank < width:
+                if rank < width:  # a finished spare is dropped: only the best beam_width may finish
                     hypothesis = Hypothesis(token_ids=self.beams[parent].token_ids + [token_id],
                                             cumulative_logprob=logprob, score=score,
                                             finish_reason="stop" if stop else "length")
