@@ -8,7 +8,9 @@ from itertools import count
 import torch
 from transformers import AutoTokenizer
 
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
+from nanoserve.engine.beam_scheduler import BeamRequest, BeamScheduler, beam_sampling_params
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.input_batch import InputBuilder, ModelInput
@@ -34,6 +36,7 @@ class EngineCoreOutput:
     new_logprobs: list | None = None  # with SamplingParams(logprobs=k): one dict per new token
     prompt_logprobs: list | None = None  # with prompt_logprobs=k
     index: int = 0  # which of the request's n sequences; finished says it finished
+    cumulative_logprob: float | None = None  # a beam search's result: its sum of token log-probabilities
     error: BaseException | None = None  # the request failed (and is gone): the front end raises this
 
 
@@ -69,6 +72,7 @@ class EngineCore:
         if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
             swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(config, self.block_manager, swap_pool)
+        self.beam_scheduler = BeamScheduler(config, self.scheduler)  # LLM.beam_search's requests
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
@@ -123,6 +127,20 @@ class EngineCore:
                           seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority)
         self.requests[request_id] = request
         self.scheduler.add(request.first_seq)  # the others fork from it once its prompt is done
+
+    def check_beam_request(self, token_ids: list[int], params: BeamSearchParams) -> None:
+        self.beam_scheduler.check(params)  # then the prompt, and the KV blocks of beam_width sequences:
+        self.check_request(token_ids, beam_sampling_params(params))
+
+    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+        """A beam search (LLM.beam_search): its beams are one sequence group (engine/beam_scheduler.py)."""
+        self.check_beam_request(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.requests[request_id] = request = BeamRequest(request_id, prompt_token_ids, params, seq_ids=self.seq_ids,
+                                                          eos_token_ids=self.config.eos_token_ids,
+                                                          block_size=self.config.block_size)
+        self.scheduler.add(request.first_seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if there is no such request (it may have finished)."""
@@ -187,6 +205,13 @@ class EngineCore:
         detokenize each new token and look for stop strings; drop the requests that are done."""
         updated = self.scheduler.postprocess(out, token_ids)
         outputs = [self._output(self.requests[seq.request_id], seq) for seq in updated]
+        for request in self.beam_scheduler.step(out, self.executor.beam_logits, self.requests):
+            outputs += [EngineCoreOutput(request.request_id, h.token_ids, finished=True, finish_reason=h.finish_reason,
+                                         new_text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
+                                         if self.tokenizer else "", num_cached_tokens=request.num_cached_tokens,
+                                         index=i, cumulative_logprob=h.cumulative_logprob)
+                        for i, h in enumerate(request.search.hypotheses)]
+            del self.requests[request.request_id]
         for request_id in {seq.request_id for seq in updated}:
             if self.requests[request_id].is_finished:
                 del self.requests[request_id]
