@@ -12,8 +12,8 @@ import torch
 
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
-from nanoserve.engine.beam_search import BeamSearch
-from nanoserve.engine.request import Request
+from nanoserve.engine.beam_search import BeamChild, BeamSearch, Hypothesis
+from nanoserve.engine.request import EngineCoreOutput, Request
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -51,9 +51,8 @@ class BeamRequest(Request):
 class BeamScheduler:
     """Checks beam requests and takes in each step's beam rows (EngineCore calls it after Scheduler.postprocess)."""
 
-    def __init__(self, config: Config, scheduler: Scheduler):
-        self.config = config
-        self.scheduler = scheduler
+    def __init__(self, config: Config, scheduler: Scheduler, tokenizer=None):
+        self.config, self.scheduler, self.tokenizer = config, scheduler, tokenizer
 
     def check(self, params: BeamSearchParams) -> None:
         """The limits of beam search itself (EngineCore.check_request checks the prompt and the KV pool)."""
@@ -71,14 +70,14 @@ class BeamScheduler:
             raise ValueError(f"beam_width ({params.beam_width}): each step ranks {search.num_candidates} "
                              f"candidates, more than the vocabulary's {vocab_size} tokens")
 
-    def step(self, out: SchedulerOutput, logits: torch.Tensor, requests: dict[str, Request]) -> list[BeamRequest]:
-        """Take in a step's beam rows (logits: one row per beam that sampled, in batch order). Returns the
-        requests whose search is done: their beams are freed, their `search.hypotheses` are the results."""
+    def step(self, out: SchedulerOutput, logits: torch.Tensor, requests: dict[str, Request]) -> list[EngineCoreOutput]:
+        """Take in a step's beam rows (logits: one row per beam that sampled, in batch order). A request whose
+        search is done leaves `requests`, its beams freed; it returns its hypotheses, best first, as outputs."""
         for request in {requests[s.request_id] for s in out.preempted if s.beam_search is not None}:
             self._restart_if_recomputed(request)
         beam_seqs = [s for s, do_sample in zip(out.seqs, out.do_sample) if do_sample and s.beam_search is not None]
         row_of = {s.seq_id: row for row, s in enumerate(beam_seqs)}
-        done = []
+        outputs = []
         for request in {requests[s.request_id]: None for s in beam_seqs if not s.is_finished}:
             if any(s.seq_id not in row_of for s in request.seqs):  # (a step that ran part of the beams)
                 for s in request.seqs:  # whoever ran computes its newest token again, with the others
@@ -89,10 +88,17 @@ class BeamScheduler:
             result = request.search.step(logits[[row_of[s.seq_id] for s in request.seqs]])
             self._act_out(request, result.children, result.dropped)
             if result.done:
-                done.append(request)
-        return done
+                del requests[request.request_id]
+                outputs += [self._output(request, i, h) for i, h in enumerate(request.search.hypotheses)]
+        return outputs
 
-    def _act_out(self, request: BeamRequest, children, dropped: list[int]) -> None:
+    def _output(self, request: BeamRequest, index: int, hypothesis: Hypothesis) -> EngineCoreOutput:
+        text = self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return EngineCoreOutput(request.request_id, hypothesis.token_ids, new_text=text, finished=True,
+                                finish_reason=hypothesis.finish_reason, num_cached_tokens=request.num_cached_tokens,
+                                index=index, cumulative_logprob=hypothesis.cumulative_logprob)
+
+    def _act_out(self, request: BeamRequest, children: list[BeamChild], dropped: list[int]) -> None:
         """Free the dropped beams, fork the parents of several children (before anyone appends), append."""
         parents = list(request.seqs)
         for i in dropped:

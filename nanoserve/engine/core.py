@@ -2,7 +2,6 @@ import os
 import queue
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import count
 
 import torch
@@ -14,30 +13,12 @@ from nanoserve.engine.beam_scheduler import BeamRequest, BeamScheduler, beam_sam
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.input_batch import InputBuilder, ModelInput
-from nanoserve.engine.request import Request
+from nanoserve.engine.request import EngineCoreOutput, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step did for one request (vLLM's name); the front ends turn these into RequestOutputs."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    new_logprobs: list | None = None  # with SamplingParams(logprobs=k): one dict per new token
-    prompt_logprobs: list | None = None  # with prompt_logprobs=k
-    index: int = 0  # which of the request's n sequences; finished says it finished
-    cumulative_logprob: float | None = None  # a beam search's result: its sum of token log-probabilities
-    error: BaseException | None = None  # the request failed (and is gone): the front end raises this
 
 
 class LaunchedStep(Future):
@@ -72,10 +53,10 @@ class EngineCore:
         if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
             swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(config, self.block_manager, swap_pool)
-        self.beam_scheduler = BeamScheduler(config, self.scheduler)  # LLM.beam_search's requests
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.beam_scheduler = BeamScheduler(config, self.scheduler, self.tokenizer)  # LLM.beam_search's requests
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
@@ -205,13 +186,7 @@ class EngineCore:
         detokenize each new token and look for stop strings; drop the requests that are done."""
         updated = self.scheduler.postprocess(out, token_ids)
         outputs = [self._output(self.requests[seq.request_id], seq) for seq in updated]
-        for request in self.beam_scheduler.step(out, self.executor.beam_logits, self.requests):
-            outputs += [EngineCoreOutput(request.request_id, h.token_ids, finished=True, finish_reason=h.finish_reason,
-                                         new_text=self.tokenizer.decode(h.token_ids, skip_special_tokens=True)
-                                         if self.tokenizer else "", num_cached_tokens=request.num_cached_tokens,
-                                         index=i, cumulative_logprob=h.cumulative_logprob)
-                        for i, h in enumerate(request.search.hypotheses)]
-            del self.requests[request.request_id]
+        outputs += self.beam_scheduler.step(out, self.executor.beam_logits, self.requests)  # done searches' results
         for request_id in {seq.request_id for seq in updated}:
             if self.requests[request_id].is_finished:
                 del self.requests[request_id]
