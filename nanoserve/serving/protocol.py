@@ -1,7 +1,7 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, priority, stop_token_ids, include_stop_str_in_output).
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output), and use_beam_search, declared to be refused.
 """
 import time
 from typing import Literal
@@ -41,6 +41,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = 1  # completions per prompt (up to the server's max_num_seqs)
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
+    use_beam_search: bool = False  # vLLM's extension: refused (400) here; LLM.beam_search runs it offline
 
     def num_prompt_logprobs(self) -> int | None:
         return None
