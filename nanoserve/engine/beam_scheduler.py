@@ -73,7 +73,7 @@ class BeamScheduler:
     def step(self, out: SchedulerOutput, logits: torch.Tensor, requests: dict[str, Request]) -> list[EngineCoreOutput]:
         """Take in a step's beam rows (logits: one row per beam that sampled, in batch order). A request whose
         search is done leaves `requests`, its beams freed; it returns its hypotheses, best first, as outputs."""
-        for request in {requests[s.request_id] for s in out.preempted if s.beam_search is not None}:
+        for request in {requests[s.request_id]: None for s in out.preempted if s.beam_search is not None}:
             self._restart_if_recomputed(request)
         beam_seqs = [s for s, do_sample in zip(out.seqs, out.do_sample) if do_sample and s.beam_search is not None]
         row_of = {s.seq_id: row for row, s in enumerate(beam_seqs)}
