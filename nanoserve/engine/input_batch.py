@@ -35,6 +35,7 @@ class ModelInput:
     placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
+    beam_rows: list[int]  # sampling rows of beam searches: their raw logits go to engine/beam_scheduler.py
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -102,7 +103,8 @@ class InputBuilder:
             input_ids=self._tensor(input_ids, torch.int64), positions=self._tensor(positions, torch.int64),
             meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
             sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
-            placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs)
+            placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
+            beam_rows=[row for row, seq in enumerate(samplers) if seq.beam_search is not None])
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
