@@ -91,9 +91,10 @@ class EngineCore:
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
+        for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:  # (an id past the logits would crash the step that masks or matches it)
+                raise ValueError(f"{name}: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab_size:
                 raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
