@@ -15,6 +15,7 @@ from nanoserve.engine.input_batch import InputBuilder, ModelInput
 from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.structured_output_manager import StructuredOutputManager
 from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
@@ -72,6 +73,8 @@ class EngineCore:
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                          config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
@@ -122,6 +125,7 @@ class EngineCore:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request = Request(request_id, prompt_token_ids, sampling_params, block_size=self.config.block_size,
                           seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority)
+        self.structured_outputs.add_request(request)  # compiles its grammar (cached), off the step path
         self.requests[request_id] = request
         self.scheduler.add(request.first_seq)  # the others fork from it once its prompt is done
 
@@ -187,6 +191,7 @@ class EngineCore:
         """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
         detokenize each new token and look for stop strings; drop the requests that are done."""
         updated = self.scheduler.postprocess(out, token_ids)
+        self.structured_outputs.advance(updated, self.scheduler.finish)  # a complete grammar finishes its sequence
         outputs = [self._output(self.requests[seq.request_id], seq) for seq in updated]
         for request_id in {seq.request_id for seq in updated}:
             if self.requests[request_id].is_finished:
