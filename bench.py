@@ -29,6 +29,9 @@ import tempfile
 from collections.abc import Callable
 from time import perf_counter
 
+import nanoserve  # noqa: F401  first: its CPU thread defaults (nanoserve/utils/threads.py) precede torch's OpenMP
+
+# isort: split
 import numpy as np
 import torch
 import transformers
@@ -429,6 +432,7 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
     return dict(cpu=cpu, cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_count=os.cpu_count(),
                 torch_threads=torch.get_num_threads(), gpu=gpu,
+                thread_env={k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
                 torch=torch.__version__, transformers=transformers.__version__,
                 load_avg_1min=os.getloadavg()[0])  # other work on the machine skews CPU timings
 

@@ -31,7 +31,7 @@ def reorders_for_onednn(dtype: torch.dtype) -> bool:
     before Python starts) sends an AVX-512 machine down an AVX2 laptop's path:
     - AVX512 (PyTorch's name for AVX-512 F, BW, VL and DQ): float32 and bfloat16;
     - AVX2: float32 only. oneDNN's bfloat16 reorder needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT, which the
-      capability does not tell), so bfloat16 multiplies plain weights there: correct, but slower than float32;
+      capability does not tell), so bfloat16 multiplies plain weights there: correct, about 3x slower than float32;
     - anything else (no AVX2, ARM) and float16 (oneDNN's needs AVX512-FP16): plain weights.
     oneDNN's own bfloat16 check comes last, so that its ISA limit (ONEDNN_MAX_CPU_ISA) can only lower this."""
     capability = torch.backends.cpu.get_cpu_capability()
@@ -57,7 +57,7 @@ def reorder_weights_for_cpu(model: nn.Module) -> None:
     embedding keeps the plain rows it looks up."""
     dtype = model.lm_head.weight.dtype
     if dtype == torch.bfloat16 and not reorders_for_onednn(dtype):
-        logger.warning("bfloat16 on this CPU (PyTorch's capability: %s) multiplies plain weights, several times "
+        logger.warning("bfloat16 on this CPU (PyTorch's capability: %s) multiplies plain weights, about 3x "
                        "slower than float32: dtype='float32' is faster here", torch.backends.cpu.get_cpu_capability())
     for module in [*(m for m in model.modules() if isinstance(m, nn.Linear)), model.lm_head]:
         module.weight = nn.Parameter(reorder_for_cpu(module.weight), requires_grad=False)
