@@ -7,7 +7,7 @@ transformers (static-batch `generate`), transformers-cb (its continuous batching
 manager) and llama.cpp (llama-cpp-python on a GGUF, one request at a time).
 
     python bench.py                       # 64 prompts, input 32-512, output 32-256 tokens, vs transformers
-    python bench.py --quick               # 16 prompts, input 32-256, output 32-128: about a minute on 2 cores
+    python bench.py --quick               # 16 prompts, input 32-256, output 32-128: under a minute on 2 cores
     python bench.py --peer transformers,transformers-cb,llama.cpp --dtype float32,bfloat16 --matmul-floor
     python bench.py --nano-vllm           # nano-vllm's workload: 256 prompts, 100-1024 in and out
     python bench.py --shared-prefix       # prefix caching on vs off, on prompts sharing a long prefix
@@ -68,7 +68,7 @@ def workload_help() -> str:
         lines.append(f"  {flag:<16}{n} prompts, input {prefix}{in_min}-{in_max}, output {out_min}-{out_max} tokens")
     return ("workloads (random token ids, seed 0, greedy, ignore_eos; --num-prompts, --input-len and --output-len "
             "override them):\n" + "\n".join(lines) + "\n  on 2 CPU cores with the transformers peer, the default "
-            "takes about 7 minutes, --quick about a minute")
+            "takes about 3 minutes, --quick about 30 seconds")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -88,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"output length range (default: {default_out[0]} {default_out[1]})")
     p.add_argument("--seed", type=int, default=0)
     scenario = p.add_mutually_exclusive_group()
-    scenario.add_argument("--quick", action="store_true", help="a smaller workload that runs in about a minute")
+    scenario.add_argument("--quick", action="store_true", help="a smaller workload: under a minute on 2 cores")
     scenario.add_argument("--nano-vllm", action="store_true", help="nano-vllm's workload: 256 x 100-1024 x 100-1024")
     scenario.add_argument("--shared-prefix", action="store_true",
                           help="prompts share a common prefix; nanoserve with vs without prefix caching")
