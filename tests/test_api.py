@@ -2,10 +2,12 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from conftest import hf_greedy
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import Config
 
 EOS = 2
 MAX_TOKENS = 8
@@ -42,15 +44,15 @@ def assert_usable(llm: LLM, expected) -> None:
 
 def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
     """Make the n-th model forward raise, as an out-of-memory or a kernel error would."""
-    run, calls = llm.engine.model_runner.run, []
+    execute, calls = llm.engine.executor.execute_model, []
 
-    def failing_run(seqs):
+    def failing_execute(out, inputs):
         calls.append(1)
         if len(calls) == n:
             raise RuntimeError("injected failure")
-        return run(seqs)
+        return execute(out, inputs)
 
-    monkeypatch.setattr(llm.engine.model_runner, "run", failing_run)
+    monkeypatch.setattr(llm.engine.executor, "execute_model", failing_execute)
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -61,6 +63,9 @@ def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
     (list(range(3, 43)), SamplingParams(max_tokens=9), ["prompt (40 tokens)", "max_tokens (9)", "max_model_len (48)"]),
     ([5, 512, 6], GREEDY, ["prompt", "[0, vocab_size=512)", "[512]"]),
     ({"prompt_token_ids": [-1, 5]}, GREEDY, ["prompt", "[0, vocab_size=512)", "[-1]"]),
+    # a stop token past the logits once crashed the step that masks it (min_tokens) mid-run
+    (PROMPTS[2], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[600]),
+     ["stop_token_ids", "[0, vocab_size=512)", "[600]"]),
 ])
 def test_bad_prompt_rejects_the_whole_batch(llm, expected, prompt, params, words):
     num_steps = llm.stats.num_steps
@@ -90,7 +95,7 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(top_p=0), ["top_p", "(0, 1]", "got 0"]),
     (dict(top_p=1.5), ["top_p", "(0, 1]", "got 1.5"]),
     (dict(top_k=0), ["top_k", ">= 1", "got 0"]),
-    (dict(top_k=-2), ["top_k", ">= 1", "got -2"]),
+    (dict(top_k=-2), ["top_k", ">= -1", "got -2"]),
     (dict(min_p=1.5), ["min_p", "[0, 1]", "got 1.5"]),
     (dict(presence_penalty=2.5), ["presence_penalty", "[-2, 2]", "got 2.5"]),
     (dict(frequency_penalty=-3), ["frequency_penalty", "[-2, 2]", "got -3"]),
@@ -99,11 +104,39 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(prompt_logprobs=-2), ["prompt_logprobs", ">= 0", "got -2"]),
     (dict(min_tokens=17), ["min_tokens", "[0, max_tokens=16]", "got 17"]),
     (dict(stop=["ok", ""]), ["stop", "empty string"]),
+    # NaN and infinity pass no interval; every float option refuses them
+    *[(dict({name: value}), [name, "finite number", f"got {value}"])
+      for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+      for value in (float("nan"), float("inf"), float("-inf"))],
+    # wrong types: a string, a bool or a float where an integer belongs, a bool for a number
+    (dict(temperature="0.5"), ["temperature", "got '0.5' (str)"]),
+    (dict(top_p=None), ["top_p", "got None"]),
+    (dict(max_tokens=8.0), ["max_tokens", "an integer", "got 8.0 (float)"]),
+    (dict(n=True), ["n", "an integer", "got True (bool)"]),
+    (dict(top_k=2.5), ["top_k", "an integer", "got 2.5"]),
+    (dict(min_tokens="3"), ["min_tokens", "got '3' (str)"]),
+    (dict(seed=1.5), ["seed", "an integer", "got 1.5"]),
+    (dict(seed=2 ** 64), ["seed", "an integer in [", f"got {2 ** 64}"]),
+    (dict(logprobs=True), ["logprobs", "got True (bool)"]),
+    (dict(repetition_penalty=False), ["repetition_penalty", "got False (bool)"]),
+    (dict(temperature=10 ** 400), ["temperature", "finite number"]),  # an int too large for a float
+    (dict(ignore_eos="no"), ["ignore_eos", "True or False", "got 'no'"]),
+    (dict(stop=7), ["stop", "a string or a list of strings", "got 7"]),
+    (dict(stop_token_ids=[5, -1]), ["stop_token_ids", ">= 0", "got -1"]),
+    (dict(stop_token_ids=[5.0]), ["stop_token_ids", "an integer", "got 5.0"]),
+    (dict(output_kind="delta"), ["output_kind", "RequestOutputKind", "got 'delta'"]),
 ])
 def test_bad_sampling_params(kwargs, words):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_numpy_numbers_become_python_numbers():
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(8), seed=np.int32(3),
+                            stop_token_ids=(np.int64(7),), stop=("a", "b"))
+    assert (type(params.temperature), type(params.max_tokens), type(params.seed)) == (float, int, int)
+    assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int and params.stop == ["a", "b"]
 
 
 def test_folder_without_config_json(tmp_path):
@@ -121,6 +154,26 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg
     assert all(a in msg for a in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")), msg
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("gpu_memory_utilization", float("nan"), ["gpu_memory_utilization", "(0, 1]", "nan"]),
+    ("gpu_memory_utilization", 1.5, ["gpu_memory_utilization", "(0, 1]", "1.5"]),
+    ("cpu_kvcache_space", float("inf"), ["cpu_kvcache_space", "> 0", "inf"]),
+    ("cpu_kvcache_space", 0, ["cpu_kvcache_space", "> 0"]),
+    ("swap_space", float("nan"), ["swap_space", ">= 0", "nan"]),
+    ("swap_space", float("-inf"), ["swap_space", "-inf"]),
+    ("max_num_seqs", 0, ["max_num_seqs", ">= 1", "got 0"]),
+    ("max_num_seqs", 2.5, ["max_num_seqs", "an integer", "2.5"]),
+    ("block_size", "16", ["block_size", "an integer", "'16'"]),
+    ("num_kvcache_blocks", 0, ["num_kvcache_blocks", ">= 1"]),
+    ("swap_space", True, ["swap_space", "a number", "True"]),
+    ("dtype", "int8", ["dtype", "float32", "int8"]),
+])
+def test_bad_engine_options_name_the_field(tiny_models, option, value, words):
+    with pytest.raises(ValueError) as e:
+        Config(tiny_models["qwen3"], **{option: value})
+    assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_unknown_option_lists_the_options(tiny_models):

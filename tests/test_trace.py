@@ -1,10 +1,23 @@
 """The step trace (LLM(..., trace=True)) and nanoserve/tools/trace.py: the records agree with llm.stats and with
 the live engine after every step, each scenario keeps the invariants and writes its table and pictures, and the
 articles' 3/5/12 example comes out step for step."""
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.tools.trace import SCENARIOS, format_trace, main, plot_kv, plot_timeline, request_states, run_scenario
+from nanoserve.tools.trace import (
+    DEFAULT_OUT,
+    SCENARIOS,
+    format_trace,
+    main,
+    plot_kv,
+    plot_timeline,
+    request_states,
+    run_scenario,
+)
 
 
 def check_step(llm: LLM) -> None:
@@ -13,7 +26,8 @@ def check_step(llm: LLM) -> None:
     assert rec.step == len(llm.trace) - 1
     assert rec.num_scheduled_tokens == sum(r.num_tokens for r in rec.scheduled) <= rec.token_budget
     assert all(r.num_tokens >= 1 for r in rec.scheduled)
-    assert len({r.request_id for r in rec.scheduled}) == len(rec.scheduled)
+    assert len({r.seq_id for r in rec.scheduled}) == len(rec.scheduled)
+    assert all(rec.seq_requests[r.seq_id] == (r.request_id, 0) for r in rec.scheduled)  # (n = 1 here)
     for ids, queue in ((rec.waiting, scheduler.waiting), (rec.running, scheduler.running),
                        (rec.swapped, scheduler.swapped)):
         assert ids == [seq.seq_id for seq in queue]
@@ -30,7 +44,7 @@ def check_states(trace) -> None:
         places = [*rec.waiting, *rec.running, *rec.swapped, *finished]
         assert len(places) == len(set(places)) and seen <= set(places)
         seen = set(places)
-        assert {r.request_id for r in rec.scheduled} <= set(rec.running) | set(rec.finished)
+        assert {r.seq_id for r in rec.scheduled} <= set(rec.running) | set(rec.finished)
         assert set(rec.recomputed) <= set(rec.waiting) | set(rec.running)  # re-admitted in the same step is fine
         assert set(rec.swapped_out) <= set(rec.swapped)
     states = request_states(trace)
@@ -49,7 +63,7 @@ def check_stats(trace, stats) -> None:
     # A request admitted from waiting starts where its cached prefix ends.
     cached, running = 0, set()
     for rec in trace:
-        cached += sum(r.start for r in rec.scheduled if r.request_id not in running | set(rec.swapped_in))
+        cached += sum(r.start for r in rec.scheduled if r.seq_id not in running | set(rec.swapped_in))
         running = set(rec.running)
     assert cached == stats.num_cached_tokens
 
@@ -129,6 +143,18 @@ def test_command_writes_table_and_pictures(tiny_models, tmp_path, capsys):
     assert table.splitlines()[1].startswith("   0  prefill  R1:3 R2:5 R3:2*") and len(table.splitlines()) == 13
     assert table in capsys.readouterr().out
     assert all(png_size(tmp_path / f"chunked_{picture}.png") for picture in ("timeline", "kv"))
+
+
+def test_default_out_folder_is_ignored_by_git(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["--scenario", "chunked", "--model", tiny_models["qwen3"]])
+    written = sorted(p.name for p in (tmp_path / DEFAULT_OUT).iterdir())
+    assert written == ["chunked.txt", "chunked_kv.png", "chunked_timeline.png"]
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for name in written:  # run in the repository, it would leave nothing for `git status` to show
+        assert subprocess.run(["git", "check-ignore", "-q", f"{DEFAULT_OUT}/{name}"], cwd=root).returncode == 0
 
 
 def test_trace_under_async_scheduling(tiny_models):

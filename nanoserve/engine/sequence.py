@@ -4,6 +4,7 @@ import torch
 
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.math import cdiv
 
 
 class SequenceStatus(Enum):
@@ -14,14 +15,15 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its tokens, where their KV lives, and how far the model has got."""
+    """One sequence of a request (engine/request.py; n > 1 gives it several): its tokens, where their KV
+    lives, and how far the model has got. The scheduler and the model runner see only sequences."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
                  priority: int = 0, request_id: str = "", index: int = 0):
         self.seq_id = seq_id  # ids count up in arrival order
         self.request_id = request_id  # the caller's name for it
         self.index = index  # which of the request's n sequences (SamplingParams.n) it is
-        self.group = [self]  # the request's n sequences (one list, shared by all of them)
+        self.group = [self]  # the request's n sequences: Request.seqs, one list shared by all of them
         self.priority = priority  # scheduling_policy="priority": lower values are served first
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -62,8 +64,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_outputs_in_flight(self) -> int:
+        """Output tokens before the one the planned step samples that are not known yet: with async scheduling,
+        1 while the step before is still sampling it, else 0. (Read on a sequence that samples in the planned
+        step: its own placeholder counts from then on; a fork samples from its parent's row and has none.)"""
+        return max(self.num_output_placeholders - 1, 0)
+
+    @property
     def num_blocks(self) -> int:
-        return (len(self) + self.block_size - 1) // self.block_size
+        return cdiv(len(self), self.block_size)
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
