@@ -13,6 +13,7 @@ import torch
 from nanoserve.config import Config
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
 from nanoserve.utils.math import cdiv
@@ -34,6 +35,7 @@ class ModelInput:
     placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
+    beam_rows: list[int]  # sampling rows of beam searches: their raw logits go to engine/beam_scheduler.py
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -101,7 +103,8 @@ class InputBuilder:
             input_ids=self._tensor(input_ids, torch.int64), positions=self._tensor(positions, torch.int64),
             meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
             sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
-            placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs)
+            placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
+            beam_rows=[row for row, seq in enumerate(samplers) if seq.beam_search is not None])
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
@@ -119,7 +122,7 @@ class InputBuilder:
                 presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
                 frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
                 repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
-        vocab_size = self.vocab_size
+        vocab_size, bitmask = self.vocab_size, grammar_bitmask(seqs, self.vocab_size)
         return SamplingMetadata(
             temperatures=column([p.temperature for p in params], 0.0, torch.float32),
             top_ks=column([vocab_size if p.top_k == -1 else p.top_k for p in params], vocab_size, torch.int64),
@@ -128,6 +131,7 @@ class InputBuilder:
             generators=[seq.generator for seq in seqs],
             penalties=penalties,
             min_tokens_mask=self.min_tokens_mask(seqs),
+            grammar_bitmask=None if bitmask is None else self._tensor(bitmask, torch.int32),
         )
 
     def min_tokens_mask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -6,6 +6,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.structured_output_manager import waits_for_grammar
 
 
 @dataclass
@@ -117,6 +118,9 @@ class Scheduler(SchedulerPolicies):
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self._pop_group(self.running)
+            if waits_for_grammar(group):  # async scheduling: its next mask needs the token still in flight
+                scheduled += group
+                continue
             while sum(map(self.block_manager.needs_block, group)) > self.block_manager.num_free_blocks:
                 if not self.running:
                     self.preempt(group[0], out)  # nobody else to take from: it waits for memory itself
@@ -191,6 +195,8 @@ class Scheduler(SchedulerPolicies):
                 self.stats.num_chunked_prefills += 1
                 continue
             seq.num_output_placeholders -= 1
+            if seq.beam_search is not None:  # its beam search picks its token (engine/beam_scheduler.py)
+                continue
             for child in forks:
                 self._fork(seq, child, start + num_tokens)
             for s, token_id in zip([seq, *forks], new_token_ids):

@@ -37,6 +37,8 @@ class Sequence:
         # next step is planned (blocks, positions) as if they were there (vLLM's num_output_placeholders).
         self.num_output_placeholders = 0
         self.finish_reason: str | None = None
+        self.beam_search = None  # the BeamSearch (engine/beam_search.py) this sequence is a live beam of
+        self.grammar = None  # structured outputs: its GrammarMatcher (engine/structured_output_manager.py)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         # Filled by the model runner when asked for: one dict per generated token, one per prompt token.
