@@ -8,6 +8,7 @@ manager), llama.cpp (llama-cpp-python on a GGUF, one request at a time) and vllm
 run by benchmarks/vllm_peer.py in vLLM's own interpreter, `--vllm-python`).
 
     python bench.py                       # 64 prompts, input 32-512, output 32-256 tokens, vs transformers
+    python bench.py --quick               # 16 prompts, input 32-256, output 32-128: under a minute on 2 cores
     python bench.py --peer transformers,transformers-cb,llama.cpp --dtype float32,bfloat16 --matmul-floor
     python bench.py --peer vllm --vllm-python VENV/bin/python   # vLLM in a venv of its own: docs/benchmarks.md
     python bench.py --nano-vllm           # nano-vllm's workload: 256 prompts, 100-1024 in and out
@@ -32,6 +33,9 @@ import tempfile
 from collections.abc import Callable
 from time import perf_counter
 
+import nanoserve  # noqa: F401  first: its CPU thread defaults (nanoserve/utils/threads.py) precede torch's OpenMP
+
+# isort: split
 import numpy as np
 import torch
 import transformers
@@ -54,26 +58,44 @@ from nanoserve.utils.default_model import find_default_gguf, resolve_model
 # nano-vllm's own. For --shared-prefix the input range is the part after the shared prefix.
 WORKLOADS = {
     "default": (64, (32, 512), (32, 256)),
+    "quick": (16, (32, 256), (32, 128)),
     "nano-vllm": (256, (100, 1024), (100, 1024)),
     "shared-prefix": (64, (16, 64), (16, 64)),
 }
 
 
+def workload_help() -> str:
+    lines = []
+    for name, (n, (in_min, in_max), (out_min, out_max)) in WORKLOADS.items():
+        prefix = "a --prefix-len (1024) token shared prefix + " if name == "shared-prefix" else ""
+        flag = "default" if name == "default" else f"--{name}"
+        lines.append(f"  {flag:<16}{n} prompts, input {prefix}{in_min}-{in_max}, output {out_min}-{out_max} tokens")
+    return ("workloads (random token ids, seed 0, greedy, ignore_eos; --num-prompts, --input-len and --output-len "
+            "override them):\n" + "\n".join(lines) + "\n  on 2 CPU cores with the transformers peer, the default "
+            "takes about 3 minutes, --quick about 30 seconds")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=workload_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="model folder or hub id (default: the embedded SmolLM2-135M)")
     p.add_argument("--random-weights", action="store_true",
                    help="the model folder holds only a config.json: benchmark seeded random weights")
     p.add_argument("--dtype", default="auto",
                    help="comma-separated: nanoserve runs once per dtype (auto, float32, bfloat16, float16); "
-                        "the transformers peers run the first")
-    p.add_argument("--num-prompts", type=int, help="number of requests")
-    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="prompt length range")
-    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"), help="output length range")
+                        "the transformers peers run the first (default: auto, float32 on CPU, bfloat16 on CUDA)")
+    default_n, default_in, default_out = WORKLOADS["default"]
+    p.add_argument("--num-prompts", type=int, help=f"number of requests (default: {default_n})")
+    p.add_argument("--input-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help=f"prompt length range (default: {default_in[0]} {default_in[1]})")
+    p.add_argument("--output-len", type=int, nargs=2, metavar=("MIN", "MAX"),
+                   help=f"output length range (default: {default_out[0]} {default_out[1]})")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--nano-vllm", action="store_true", help="nano-vllm's workload: 256 x 100-1024 x 100-1024")
-    p.add_argument("--shared-prefix", action="store_true",
-                   help="prompts share a common prefix; nanoserve with vs without prefix caching")
+    scenario = p.add_mutually_exclusive_group()
+    scenario.add_argument("--quick", action="store_true", help="a smaller workload: under a minute on 2 cores")
+    scenario.add_argument("--nano-vllm", action="store_true", help="nano-vllm's workload: 256 x 100-1024 x 100-1024")
+    scenario.add_argument("--shared-prefix", action="store_true",
+                          help="prompts share a common prefix; nanoserve with vs without prefix caching")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix length (--shared-prefix)")
     p.add_argument("--peer", default="transformers",
                    help="comma-separated peers: transformers, transformers-cb, llama.cpp, vllm; or none")
@@ -91,7 +113,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
-    args.scenario = "shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm else "default"
+    args.scenario = ("shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm
+                     else "quick" if args.quick else "default")
     num_prompts, input_len, output_len = WORKLOADS[args.scenario]
     args.num_prompts = args.num_prompts or num_prompts
     args.input_len = args.input_len or input_len
@@ -477,7 +500,9 @@ def machine() -> dict:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    return dict(cpu=cpu, cpu_count=os.cpu_count(), torch_threads=torch.get_num_threads(), gpu=gpu,
+    return dict(cpu=cpu, cpu_capability=torch.backends.cpu.get_cpu_capability(), cpu_count=os.cpu_count(),
+                torch_threads=torch.get_num_threads(), gpu=gpu,
+                thread_env={k: v for k, v in os.environ.items() if k.startswith(("OMP_", "GOMP_"))},
                 torch=torch.__version__, transformers=transformers.__version__,
                 load_avg_1min=os.getloadavg()[0])  # other work on the machine skews CPU timings
 

@@ -16,9 +16,10 @@ from time import perf_counter
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, like bench.py
 
-import torch  # noqa: E402
+from nanoserve import LLM, SamplingParams  # noqa: E402  first: its thread defaults precede torch's OpenMP
 
-from nanoserve import LLM, SamplingParams  # noqa: E402
+# isort: split
+import torch  # noqa: E402
 
 PARTS = {"schedule": "scheduler", "prepare_inputs": "input_builder", "execute_model": "executor",
          "_update_from_output": None}  # method -> the engine attribute that owns it (None: the engine)

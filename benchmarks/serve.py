@@ -26,13 +26,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import httpx
-import numpy as np
-from transformers import AutoTokenizer
-
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from anywhere: the nanoserve of this checkout
-from nanoserve.utils.default_model import resolve_model  # noqa: E402
+from nanoserve.utils.default_model import resolve_model  # noqa: E402  before transformers loads torch: threads.py
+
+# isort: split
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,9 +1,13 @@
 """nanoserve: a small, readable LLM inference engine (paged KV cache, continuous batching, prefix caching)."""
-from nanoserve.async_llm import AsyncLLM
-from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.llm import LLM
-from nanoserve.outputs import CompletionOutput, RequestOutput
-from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.utils.threads import set_thread_defaults
+
+set_thread_defaults()  # first: OpenMP reads its settings when the imports below load torch
+
+from nanoserve.async_llm import AsyncLLM  # noqa: E402
+from nanoserve.beam_search_params import BeamSearchParams  # noqa: E402
+from nanoserve.llm import LLM  # noqa: E402
+from nanoserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 __all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
            "BeamSearchParams"]

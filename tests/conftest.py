@@ -11,8 +11,9 @@ import httpx
 import pytest
 
 # The tests run several processes and threads on two cores (servers, tensor-parallel workers, the engine's
-# threads): OpenMP threads that spin while they wait would starve the others, so they sleep instead. It must
-# be set before torch loads OpenMP; spawned processes inherit it.
+# threads): OpenMP threads that spin while they wait would starve the others, so they sleep instead. It is
+# what `import nanoserve` sets (nanoserve/utils/threads.py), set here because torch is imported first below
+# (it must be set before torch loads OpenMP); spawned processes inherit it.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 

@@ -50,7 +50,30 @@ def test_nanoserve_against_transformers_peers(config_only, tmp_path):
     for dtype in ("float32", "bfloat16"):  # no timing asserted: only that the floor was measured and related
         floor, engine = results[f"matmul floor {dtype}"], results[f"nanoserve {dtype}"]
         assert floor["wall_s"] > 0 and engine["floor_share"] == pytest.approx(floor["wall_s"] / engine["wall_s"])
-    assert {"cpu", "cpu_count", "torch"} <= report["machine"].keys()
+    assert {"cpu", "cpu_capability", "cpu_count", "torch"} <= report["machine"].keys()
+
+
+def test_help_shows_the_default_workload_and_quick():
+    help_text = subprocess.run([sys.executable, "bench.py", "--help"], cwd=ROOT, check=True, capture_output=True,
+                               text=True).stdout
+    for words in ("64 prompts, input 32-512, output 32-256", "--quick", "16 prompts, input 32-256, output 32-128",
+                  "default: auto, float32 on CPU", "SmolLM2-135M"):
+        assert words in " ".join(help_text.split())  # argparse wraps lines
+
+
+def test_quick_workload_against_transformers(config_only, tmp_path):
+    """--quick: its 16 prompts (on the tiny model: seconds), figures and the ratio against transformers."""
+    cmd = [sys.executable, "bench.py", "--model", config_only, "--random-weights", "--quick",
+           "--json", str(tmp_path / "bench.json")]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True, text=True).stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["scenario"] == "quick" and report["workload"]["num_prompts"] == 16
+    assert report["workload"]["input_len"] == [32, 256] and report["workload"]["output_len"] == [32, 128]
+    nano, hf = report["results"]["nanoserve auto"], report["results"]["transformers (float32, batch 16)"]
+    assert NANOSERVE_FIGURES <= nano.keys() and nano["output_tokens"] == hf["output_tokens"]
+    ratio = report["ratios"]["nanoserve auto / transformers"]
+    assert ratio == pytest.approx(nano["tokens_per_s"] / hf["tokens_per_s"])
+    assert "nanoserve auto / transformers:" in out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,

@@ -63,6 +63,8 @@ ELSEWHERE = {  # names the docs quote that belong to other projects or to the sh
     "NaN": "what Python's JSON reader takes for a float NaN", "Infinity": "and for infinity",
     "OMP_WAIT_POLICY": "OpenMP's environment variable",
     "OMP_NUM_THREADS": "OpenMP's environment variable",
+    "GOMP_SPINCOUNT": "libgomp's environment variable, one of the thread settings measured (docs/benchmarks.md)",
+    "MKL_ENABLE_INSTRUCTIONS": "MKL's environment variable, set to compare it with oneDNN on the AVX2 path",
     "avx512_bf16": "a /proc/cpuinfo flag", "avx512_vnni": "a /proc/cpuinfo flag",
 }
 

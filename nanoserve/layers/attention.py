@@ -44,16 +44,20 @@ class TorchAttentionPlan:
 
     decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]  # (rows, block_ids, padding mask)
     prefills: list[tuple[int, int, torch.Tensor, int, torch.Tensor | None]]  # (start, end, block_ids, len, mask)
+    # Where every group of every layer copies its K/V blocks to: a fresh multi-MB tensor per copy costs
+    # the CPU new zeroed pages each time, which doubled the decode attention's time.
+    k_scratch: torch.Tensor
+    v_scratch: torch.Tensor
 
 
-def plan_torch_attention(meta: AttentionMetadata, block_size: int) -> TorchAttentionPlan:
+def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> TorchAttentionPlan:
     """A sequence with one new token (a decode) joins a group of sequences of similar context length:
     sorted by length, so padding a group to its longest wastes little. A sequence with several new tokens
     (a prefill) gets its own causal SDPA call over exactly its context."""
-    dev = meta.block_tables.device
+    dev, block_size = meta.block_tables.device, k_cache.shape[1]
     starts, q_lens = meta.cu_seqlens_q[:-1].tolist(), meta.cu_seqlens_q.diff().tolist()
     context_lens = meta.context_lens.tolist()
-    plan = TorchAttentionPlan([], [])
+    plan = TorchAttentionPlan([], [], k_scratch=k_cache[:0], v_scratch=k_cache[:0])
     decodes = sorted((i for i, n in enumerate(q_lens) if n == 1), key=lambda i: context_lens[i])
     while decodes:
         n = 1  # grow the group while its padded size (n sequences x the longest context) fits the budget
@@ -72,6 +76,8 @@ def plan_torch_attention(meta: AttentionMetadata, block_size: int) -> TorchAtten
                 q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len)
             block_ids = meta.block_tables[i, : cdiv(context_len, block_size)]
             plan.prefills.append((start, start + q_len, block_ids, context_len, mask))
+    max_blocks = max((len(block_ids) for _, block_ids, _ in plan.decode_groups), default=0)
+    plan.k_scratch, plan.v_scratch = (k_cache.new_empty(max_blocks, *k_cache.shape[1:]) for _ in range(2))
     return plan
 
 
@@ -79,18 +85,19 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Pure-PyTorch paged attention: copy each sequence's KV blocks out of the cache, then run SDPA on them."""
     if meta.torch_plan is None:
-        meta.torch_plan = plan_torch_attention(meta, block_size=k_cache.shape[1])
-    kv_heads, head_dim = k_cache.shape[2:]
+        meta.torch_plan = plan_torch_attention(meta, k_cache)
+    plan, (kv_heads, head_dim) = meta.torch_plan, k_cache.shape[2:]
     out = torch.empty_like(q)
-    for rows, block_ids, mask in meta.torch_plan.decode_groups:
-        # [n, kv_heads, padded context, head_dim]; index_select copies whole blocks.
-        k = k_cache.index_select(0, block_ids).view(len(rows), -1, kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, block_ids).view(len(rows), -1, kv_heads, head_dim).transpose(1, 2)
+    for rows, block_ids, mask in plan.decode_groups:
+        # [n, kv_heads, padded context, head_dim]; index_select copies whole blocks into the step's scratch.
+        k = torch.index_select(k_cache, 0, block_ids, out=plan.k_scratch[: len(block_ids)])
+        v = torch.index_select(v_cache, 0, block_ids, out=plan.v_scratch[: len(block_ids)])
+        k, v = (x.view(len(rows), -1, kv_heads, head_dim).transpose(1, 2) for x in (k, v))
         # GQA: the query heads that share a KV head become its rows of queries, so each key is read once.
         o = F.scaled_dot_product_attention(q[rows].view(len(rows), kv_heads, -1, head_dim), k, v,
                                            attn_mask=mask, scale=scale)
         out[rows] = o.reshape(len(rows), -1, head_dim)  # (CUDA's SDPA may return another memory layout)
-    for start, end, block_ids, context_len, mask in meta.torch_plan.prefills:
+    for start, end, block_ids, context_len, mask in plan.prefills:
         # [1, kv_heads, context_len, head_dim] (4-D: SDPA's fast CPU kernel needs a batch dimension)
         k = k_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
         v = v_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
