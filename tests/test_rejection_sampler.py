@@ -142,6 +142,6 @@ def test_a_seeded_request_without_drafts_draws_what_the_sampler_draws():
     temperatures = torch.full((64,), 0.7)
     plain = Sampler()(logits, temperatures, None, None, [torch.Generator().manual_seed(i) for i in range(64)])
     probs = (logits / temperatures[:, None]).softmax(dim=-1)
-    verified = RejectionSampler()([[]] * 64, logits.argmax(dim=-1), probs, torch.zeros(64, dtype=torch.bool),
+    verified = RejectionSampler()([[]] * 64, logits.argmax(dim=-1), probs, None,  # None: no request is greedy
                                   [torch.Generator().manual_seed(i) for i in range(64)])
     assert verified[:, 0].tolist() == plain.tolist()

@@ -28,7 +28,7 @@ class RejectionSampler(nn.Module):
         - target_argmax: each row's greedy token (the sampler's argmax, after penalties).
         - target_probs: each row's processed distribution, what the sampler would draw from (after penalties,
           temperature, min_p, top-k, top-p); None when every request is greedy (temperatures None).
-        greedy: [num_requests] bool, which requests are greedy (temperature 0); None: all of them are.
+        greedy: [num_requests] bool, which requests are greedy (temperature 0); None: none is (with target_probs).
         generators: one per request, None for an unseeded one (they draw from the global generator).
         draft_probs: [sum k_i, vocab] the draft distributions q_j the drafts were drawn from; None: n-gram.
         """
