@@ -84,7 +84,7 @@ class Config:
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
         n, c = self.tensor_parallel_size, self.hf_config  # tensor parallelism: equal shares for every rank
-        for name in ("num_attention_heads", "intermediate_size", "vocab_size"):
+        for name in ("num_attention_heads", "intermediate_size"):
             if getattr(c, name) % n:
                 raise ValueError(f"tensor_parallel_size ({n}) must divide {name} ({getattr(c, name)})")
         if c.num_key_value_heads % n and n % c.num_key_value_heads:

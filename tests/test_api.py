@@ -2,6 +2,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 
 from conftest import hf_greedy
@@ -90,7 +91,7 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(top_p=0), ["top_p", "(0, 1]", "got 0"]),
     (dict(top_p=1.5), ["top_p", "(0, 1]", "got 1.5"]),
     (dict(top_k=0), ["top_k", ">= 1", "got 0"]),
-    (dict(top_k=-2), ["top_k", ">= 1", "got -2"]),
+    (dict(top_k=-2), ["top_k", ">= -1", "got -2"]),
     (dict(min_p=1.5), ["min_p", "[0, 1]", "got 1.5"]),
     (dict(presence_penalty=2.5), ["presence_penalty", "[-2, 2]", "got 2.5"]),
     (dict(frequency_penalty=-3), ["frequency_penalty", "[-2, 2]", "got -3"]),
@@ -99,11 +100,39 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(prompt_logprobs=-2), ["prompt_logprobs", ">= 0", "got -2"]),
     (dict(min_tokens=17), ["min_tokens", "[0, max_tokens=16]", "got 17"]),
     (dict(stop=["ok", ""]), ["stop", "empty string"]),
+    # NaN and infinity pass no interval; every float option refuses them
+    *[(dict({name: value}), [name, "finite number", f"got {value}"])
+      for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+      for value in (float("nan"), float("inf"), float("-inf"))],
+    # wrong types: a string, a bool or a float where an integer belongs, a bool for a number
+    (dict(temperature="0.5"), ["temperature", "got '0.5' (str)"]),
+    (dict(top_p=None), ["top_p", "got None"]),
+    (dict(max_tokens=8.0), ["max_tokens", "an integer", "got 8.0 (float)"]),
+    (dict(n=True), ["n", "an integer", "got True (bool)"]),
+    (dict(top_k=2.5), ["top_k", "an integer", "got 2.5"]),
+    (dict(min_tokens="3"), ["min_tokens", "got '3' (str)"]),
+    (dict(seed=1.5), ["seed", "an integer", "got 1.5"]),
+    (dict(seed=2 ** 64), ["seed", "an integer in [", f"got {2 ** 64}"]),
+    (dict(logprobs=True), ["logprobs", "got True (bool)"]),
+    (dict(repetition_penalty=False), ["repetition_penalty", "got False (bool)"]),
+    (dict(temperature=10 ** 400), ["temperature", "finite number"]),  # an int too large for a float
+    (dict(ignore_eos="no"), ["ignore_eos", "True or False", "got 'no'"]),
+    (dict(stop=7), ["stop", "a string or a list of strings", "got 7"]),
+    (dict(stop_token_ids=[5, -1]), ["stop_token_ids", ">= 0", "got -1"]),
+    (dict(stop_token_ids=[5.0]), ["stop_token_ids", "an integer", "got 5.0"]),
+    (dict(output_kind="delta"), ["output_kind", "RequestOutputKind", "got 'delta'"]),
 ])
 def test_bad_sampling_params(kwargs, words):
     with pytest.raises(ValueError) as e:
         SamplingParams(**kwargs)
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_numpy_numbers_become_python_numbers():
+    params = SamplingParams(temperature=np.float32(0.5), max_tokens=np.int64(8), seed=np.int32(3),
+                            stop_token_ids=(np.int64(7),), stop=("a", "b"))
+    assert (type(params.temperature), type(params.max_tokens), type(params.seed)) == (float, int, int)
+    assert params.stop_token_ids == [7] and type(params.stop_token_ids[0]) is int and params.stop == ["a", "b"]
 
 
 def test_folder_without_config_json(tmp_path):

@@ -54,6 +54,17 @@ def test_greedy_chat_answer(converted):
     assert "Paris" in answer  # also checks that the q/k weights were un-permuted correctly
 
 
+def test_first_run_says_what_it_converts_and_how_long_it_took(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(default_model, "convert_gguf", lambda gguf, out: (out / "config.json").write_text("{}"))
+    folder = resolve_model(None)
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith("nanoserve: converting the demo model SmolLM2-135M-Instruct")
+    assert f"into {folder}, once (about {default_model.CONVERSION_SECONDS} s)" in lines[0]
+    assert lines[1] == "nanoserve: converted in 0 s; later runs load it from there"
+    assert resolve_model(None) == folder and capsys.readouterr().err == ""  # the second run: silent
+
+
 def test_local_folder_returned_as_is(tmp_path):
     assert resolve_model(str(tmp_path)) == str(tmp_path)
 

@@ -151,7 +151,7 @@ def test_async_llm_streams_each_sequence_with_its_index(tiny_models):
 
 
 def test_bad_n(tiny_models):
-    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="n must be an integer >= 1, got 0"):
         SamplingParams(n=0)
     llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=8, max_num_seqs=2)
     with pytest.raises(ValueError, match=r"n \(3\) exceeds max_num_seqs \(2\)"):

@@ -358,6 +358,20 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("chat/completions", {"messages": QUESTION, "max_completion_tokens": -3}, 400, "max_tokens"),
     ("chat/completions", {"messages": QUESTION, "stream": "yes please"}, 400, "stream"),
     ("embeddings", {"input": "Hi"}, 404, None),
+    # Python's JSON reader takes NaN and Infinity: every float field refuses them, naming itself
+    *[("completions", b'{"prompt": "Hi", "%s": %s}' % (name.encode(), value), 400, name)
+      for name, value in [("temperature", b"NaN"), ("top_p", b"Infinity"), ("min_p", b"NaN"),
+                          ("presence_penalty", b"-Infinity"), ("frequency_penalty", b"NaN"),
+                          ("repetition_penalty", b"1e999")]],  # 1e999 is read as infinity
+    ("completions", b'{"prompt": "Hi", "max_tokens": Infinity}', 400, "max_tokens"),
+    ("chat/completions", b'{"messages": [{"role": "user", "content": "Hi"}], "temperature": NaN}', 400,
+     "temperature"),
+    # prompt + max_tokens over max_model_len: max_tokens is the field to change, unless the prompt leaves no room
+    ("completions", {"prompt": "Hi", "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("completions", {"prompt": [[5, 6], [5] * 500], "max_tokens": 20}, 400, "max_tokens"),  # the second prompt
+    ("chat/completions", {"messages": QUESTION, "max_tokens": MAX_MODEL_LEN}, 400, "max_tokens"),
+    ("chat/completions", {"messages": QUESTION, "max_completion_tokens": 10 ** 6}, 400, "max_tokens"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hello " * MAX_MODEL_LEN}]}, 400, "messages"),
 ]
 
 
@@ -370,6 +384,16 @@ def test_bad_requests_get_openai_errors(server, route, body, status, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+
+
+def test_too_long_max_tokens_says_how_many_fit(server):
+    response = httpx.post(f"{server.url}/v1/completions", json={"prompt": [5] * 500, "max_tokens": 20}, headers=AUTH)
+    error = response.json()["error"]
+    assert error["param"] == "max_tokens" and "at most 12" in error["message"], error
+
+
+def test_startup_line_is_info(server):
+    assert f"INFO nanoserve.serving: serving {MODEL} on {server.url}" in server.log.read_text()
 
 
 def test_bad_requests_leave_the_server_serving(server, client):

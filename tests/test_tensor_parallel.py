@@ -85,6 +85,32 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     assert no_process_left(procs) and torch.get_num_threads() == num_threads
 
 
+@pytest.mark.parametrize("arch, vocab_size", [("qwen2", 513), ("llama", 511)])  # its own LM head, a tied one
+def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab_size):
+    """Each rank holds ceil(V / N) rows, the last rank's extra row padding: never looked up, sampled or scored."""
+    path = make_model(tmp_path / arch, arch, vocab_size=vocab_size)
+    prompts = random_prompts(4, seed=4, vocab=vocab_size)
+    prompts[0].append(vocab_size - 1)  # the last token: the last real row of the last rank
+    expected = hf_greedy(path, prompts, GREEDY.max_tokens)
+    one = LLM(path, **OPTIONS)
+    assert generate(one, prompts)[0] == expected
+    del one
+
+    llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
+    assert generate(llm, prompts)[0] == expected
+    shapes = llm.engine.model_runner.call("parameter_shapes")
+    assert [rank["lm_head.weight"][0] for rank in shapes] == [(vocab_size + 1) // 2] * N
+    # Logprobs of every token: the distribution is over the real vocabulary, no padding id in it.
+    params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=vocab_size, seed=0)
+    output = llm.generate([prompts[0]], params, use_tqdm=False)[0].outputs[0]
+    for logprobs in output.logprobs:
+        assert sorted(logprobs) == list(range(vocab_size))
+        assert math.isclose(sum(math.exp(lp.logprob) for lp in logprobs.values()), 1, rel_tol=1e-4)
+    procs = llm.engine.model_runner.workers.procs
+    del llm
+    assert no_process_left(procs)
+
+
 def test_swap_preemption_then_a_killed_worker_raises_a_clear_error_within_seconds(models):
     llm = LLM(models["qwen3"], tensor_parallel_size=N, preemption_mode="swap", **OPTIONS)
     prompts = random_prompts(8, seed=1)

@@ -1,10 +1,23 @@
 """The step trace (LLM(..., trace=True)) and nanoserve/tools/trace.py: the records agree with llm.stats and with
 the live engine after every step, each scenario keeps the invariants and writes its table and pictures, and the
 articles' 3/5/12 example comes out step for step."""
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.tools.trace import SCENARIOS, format_trace, main, plot_kv, plot_timeline, request_states, run_scenario
+from nanoserve.tools.trace import (
+    DEFAULT_OUT,
+    SCENARIOS,
+    format_trace,
+    main,
+    plot_kv,
+    plot_timeline,
+    request_states,
+    run_scenario,
+)
 
 
 def check_step(llm: LLM) -> None:
@@ -129,6 +142,18 @@ def test_command_writes_table_and_pictures(tiny_models, tmp_path, capsys):
     assert table.splitlines()[1].startswith("   0  prefill  R1:3 R2:5 R3:2*") and len(table.splitlines()) == 13
     assert table in capsys.readouterr().out
     assert all(png_size(tmp_path / f"chunked_{picture}.png") for picture in ("timeline", "kv"))
+
+
+def test_default_out_folder_is_ignored_by_git(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    main(["--scenario", "chunked", "--model", tiny_models["qwen3"]])
+    written = sorted(p.name for p in (tmp_path / DEFAULT_OUT).iterdir())
+    assert written == ["chunked.txt", "chunked_kv.png", "chunked_timeline.png"]
+    root = Path(__file__).resolve().parent.parent
+    if shutil.which("git") is None or not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    for name in written:  # run in the repository, it would leave nothing for `git status` to show
+        assert subprocess.run(["git", "check-ignore", "-q", f"{DEFAULT_OUT}/{name}"], cwd=root).returncode == 0
 
 
 def test_trace_under_async_scheduling(tiny_models):

@@ -1,4 +1,4 @@
-"""The token embedding and the LM head, both split across ranks by vocabulary (rank r owns rows r*V/N...)."""
+"""The token embedding and the LM head, both split across ranks by vocabulary (rank r owns a block of rows)."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -8,15 +8,21 @@ from nanoserve.layers.linear import linear, tp_rank_size
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Each rank looks up the ids it owns (zeros for the others'); an all-reduce sums them into the embeddings."""
+    """Each rank looks up the ids it owns (zeros for the others'); an all-reduce sums them into the embeddings.
+
+    A vocabulary that does not split evenly (32,001 tokens on 2 ranks) is padded, as vLLM does: every rank
+    gets ceil(V / N) rows, and the last rank's rows past V are zeros that no token id reaches."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         self.tp_rank, self.tp_size = tp_rank_size()
-        super().__init__(vocab_size // self.tp_size, hidden_size)
-        self.vocab_start = self.tp_rank * self.num_embeddings
+        super().__init__(-(-vocab_size // self.tp_size), hidden_size)
+        self.vocab_size, self.vocab_start = vocab_size, self.tp_rank * self.num_embeddings
+        self.num_real_rows = max(0, min(self.num_embeddings, vocab_size - self.vocab_start))  # the rest: padding
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        param.data.copy_(loaded[self.vocab_start : self.vocab_start + self.num_embeddings])
+        param.data[self.num_real_rows :].zero_()
+        if self.num_real_rows:
+            param.data[: self.num_real_rows].copy_(loaded[self.vocab_start : self.vocab_start + self.num_real_rows])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -30,8 +36,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
 class ParallelLMHead(VocabParallelEmbedding):
     """logits = h E^T: each rank computes its own tokens' logits; rank 0, which samples, gathers them all
-    (the other ranks get None). Split like the embedding, so tied weights stay one tensor (on CPU the head
-    then gets a copy reordered for oneDNN: layers/linear.py)."""
+    (the other ranks get None) and drops the padding's columns, so that no padding id can be sampled or scored.
+    Split like the embedding, so tied weights stay one tensor (on CPU the head then gets a copy reordered for
+    oneDNN: layers/linear.py)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = linear(hidden_states, self.weight)
@@ -39,4 +46,4 @@ class ParallelLMHead(VocabParallelEmbedding):
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
         dist.gather(logits, parts, dst=0)
-        return torch.cat(parts, dim=-1) if parts else None
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size] if parts else None

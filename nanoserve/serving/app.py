@@ -49,6 +49,18 @@ def refuse_unsupported(request: SamplingRequest) -> None:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
 
+def check_length(request: SamplingRequest, prompt: list[int], max_tokens: int | None, max_model_len: int) -> None:
+    """A prompt + max_tokens over max_model_len: `param` names the prompt if it leaves no room at all, else
+    max_tokens (the engine's own check cannot tell which field the client should change)."""
+    prompt_field = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    if len(prompt) >= max_model_len:
+        raise APIError(400, f"{prompt_field}: {len(prompt)} tokens leave no room for an answer within "
+                       f"max_model_len ({max_model_len})", prompt_field)
+    if max_tokens is not None and len(prompt) + max_tokens > max_model_len:
+        raise APIError(400, f"max_tokens: {max_tokens} + the prompt's {len(prompt)} tokens exceeds max_model_len "
+                       f"({max_model_len}); at most {max_model_len - len(prompt)}", "max_tokens")
+
+
 def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int) -> SamplingParams:
     """room: what max_model_len leaves after the prompt, the default max_tokens (as in vLLM)."""
     return SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
@@ -213,6 +225,8 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         if request.model not in (None, model_name):
             raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
         refuse_unsupported(request)
+        for p in prompts:
+            check_length(request, p, max_tokens, config.max_model_len)
         try:
             params = [sampling_params(request, max_tokens, config.max_model_len - len(p)) for p in prompts]
             for ids, sp in zip(prompts, params):

@@ -89,7 +89,7 @@ async def serve(args: argparse.Namespace) -> None:
         # uvicorn's own deadline is a backstop: by then the app has ended every stream itself
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)
-        logger.warning("serving %s on http://%s:%d", name, args.host, args.port)
+        logger.info("serving %s on http://%s:%d", name, args.host, args.port)
         await Server(config, grace=args.shutdown_timeout).serve()
     finally:
         engine.shutdown()  # stops the engine's busy loop

@@ -7,7 +7,7 @@ lacks, is accepted so that it can be refused with a 400 that names it, instead o
 import time
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 MAX_LOGPROBS = 20  # the most likely tokens a response may list per position (vLLM's default max_logprobs)
 
@@ -20,6 +20,8 @@ class StreamOptions(BaseModel):
 class SamplingRequest(BaseModel):
     """The fields completions and chat share: which model, how to sample, when to stop, how to answer."""
 
+    # Python's JSON reader takes NaN and Infinity (and 1e999 is infinity): a 400 naming the field, not a number
+    model_config = ConfigDict(allow_inf_nan=False)
     model: str | None = None  # None: the served model
     max_tokens: int | None = None  # None: up to max_model_len, as in vLLM
     temperature: float = 1.0

@@ -257,11 +257,15 @@ def run_scenario(name: str, model: str | None = None,
     return llm, names
 
 
+DEFAULT_OUT = "trace-out"  # in .gitignore: a run in the repository leaves nothing to commit
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="default")
     parser.add_argument("--model", default=None, help="a model folder or hub id (default: the embedded model)")
-    parser.add_argument("--out", default=".", help="folder for NAME.txt, NAME_timeline.png, NAME_kv.png")
+    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for NAME.txt, NAME_timeline.png, NAME_kv.png "
+                        f"(default: {DEFAULT_OUT}, which git ignores)")
     args = parser.parse_args(argv)
     llm, names = run_scenario(args.scenario, args.model)
     os.makedirs(args.out, exist_ok=True)

