@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM
 
 from nanoserve import LLM, SamplingParams
 
@@ -235,6 +237,122 @@ def test_logprobs_equal_offline_llm(client, llm):
     assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-5)
 
 
+def test_echo_starts_with_the_prompt(client, llm):
+    """echo: each choice's text is its prompt (token ids decoded) and then the same greedy text as without it;
+    usage counts only the generated tokens."""
+    expected = [o.outputs[0] for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    for prompt in (PROMPTS, [llm.tokenizer.encode(p) for p in PROMPTS]):
+        response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, echo=True)
+        assert [c.text for c in response.choices] == [p + e.text for p, e in zip(PROMPTS, expected)]
+        assert response.usage.completion_tokens == sum(len(e.token_ids) for e in expected)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0.8, seed=3, n=2,
+                                         echo=True)
+    assert [c.text[:len(PROMPTS[0])] for c in response.choices] == [PROMPTS[0]] * 2
+    assert response.choices[0].text != response.choices[1].text
+
+
+def reference_prompt_logprobs(path: Path, ids: list[int], k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """transformers in float32 on the same weights: each prompt token's logprob after the ones before it, and the
+    k best logprobs there."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logprobs = model(torch.tensor([ids])).logits[0, :-1].log_softmax(-1)
+    return logprobs.gather(1, torch.tensor(ids[1:])[:, None])[:, 0], logprobs.topk(k, dim=-1).values
+
+
+def test_echo_logprobs_equal_transformers(client, llm, converted):
+    """echo + logprobs: the prompt's tokens first (the first with null logprobs), each scored as transformers
+    scores it; then the generated tokens as without echo. max_tokens=0 scores the prompt alone."""
+    prompt, k = "The quick brown fox jumps over the lazy dog. The capital of France is", 3
+    ids = llm.tokenizer.encode(prompt)
+    expected, expected_top = reference_prompt_logprobs(converted[1], ids, k)
+    plain = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=k)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=k,
+                                         echo=True)
+    (choice,) = response.choices
+    lp, p = choice.logprobs, len(ids)
+    assert choice.text == prompt + plain.choices[0].text
+    assert lp.tokens == [llm.tokenizer.decode([t]) for t in ids] + plain.choices[0].logprobs.tokens
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:p] == pytest.approx(expected.tolist(), abs=1e-4)
+    for top, best in zip(lp.top_logprobs[1:p], expected_top):
+        assert sorted(top.values(), reverse=True) == pytest.approx(best.tolist(), abs=1e-4)
+    assert lp.token_logprobs[p:] == pytest.approx(plain.choices[0].logprobs.token_logprobs, abs=1e-5)
+    assert lp.text_offset == [sum(map(len, lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert response.usage.completion_tokens == plain.usage.completion_tokens
+
+    # max_tokens=0: the prompt scored, nothing generated
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, logprobs=k, echo=True)
+    (choice,) = response.choices
+    assert (choice.text, choice.finish_reason, response.usage.completion_tokens) == (prompt, "length", 0)
+    assert choice.logprobs.tokens == lp.tokens[:p] and choice.logprobs.text_offset == lp.text_offset[:p]
+    assert choice.logprobs.token_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx(expected.tolist(), abs=1e-4)
+    response = client.completions.create(model=MODEL, prompt=PROMPTS, max_tokens=0, echo=True)
+    assert [c.text for c in response.choices] == PROMPTS and all(c.logprobs is None for c in response.choices)
+
+
+def test_echo_streamed(client):
+    """Streamed echo: the first chunk of each choice starts with its prompt; the chunks join to the answer of the
+    same request unstreamed, logprobs and text offsets included. max_tokens=0: one chunk, the prompt."""
+    kwargs = dict(model=MODEL, prompt=PROMPTS, max_tokens=6, temperature=0, logprobs=2, echo=True)
+    whole = client.completions.create(**kwargs).choices
+    texts, offsets, logprobs, firsts = ["", ""], [[], []], [[], []], {}
+    for chunk in client.completions.create(**kwargs, stream=True):
+        (c,) = chunk.choices
+        firsts.setdefault(c.index, c.text)
+        texts[c.index] += c.text
+        if c.logprobs:
+            offsets[c.index] += c.logprobs.text_offset
+            logprobs[c.index] += c.logprobs.token_logprobs
+    assert [firsts[i].startswith(p) for i, p in enumerate(PROMPTS)] == [True, True]
+    assert texts == [c.text for c in whole] and offsets == [c.logprobs.text_offset for c in whole]
+    for streamed, c in zip(logprobs, whole):
+        assert streamed[0] is None and streamed[1:] == pytest.approx(c.logprobs.token_logprobs[1:], abs=1e-5)
+
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=0, echo=True, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert [(c.choices[0].text, c.choices[0].finish_reason) for c in chunks[:-1]] == [(PROMPTS[0], "length")]
+    assert chunks[-1].usage.completion_tokens == 0
+
+
+LM_EVAL_TASKS = ["nanoserve_mc", "nanoserve_gen", "nanoserve_ppl"]  # tests/lm_eval_tasks/*.yaml: a local jsonl
+
+
+def test_lm_eval_scores_through_the_server_equal_hf(server, converted, tmp_path, monkeypatch):
+    """lm-evaluation-harness's `local-completions` model (echo + logprobs for loglikelihoods, stop strings for
+    generations) scores three small tasks through the server exactly as its `hf` model does on the same weights:
+    every metric, every sample's loglikelihood and is-greedy flag, every generated answer."""
+    pytest.importorskip("lm_eval", reason="lm-evaluation-harness is not installed (pip install 'lm_eval[api]')")
+    import datasets.config
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.models.openai_completions import LocalCompletionsAPI
+    from lm_eval.tasks import TaskManager
+
+    monkeypatch.chdir(ROOT)  # the task files name their data file from the repository root, as lm_eval's CLI would
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path))  # not ~/.cache
+    path = str(converted[1])
+    models = {"hf": HFLM(pretrained=path, dtype="float32", device="cpu", batch_size=1, max_length=MAX_MODEL_LEN),
+              "nanoserve": LocalCompletionsAPI(base_url=f"{server.url}/v1/completions", model=MODEL, tokenizer=path,
+                                               tokenizer_backend="huggingface", max_length=MAX_MODEL_LEN,
+                                               header=AUTH)}
+    tasks = TaskManager(include_path=str(ROOT / "tests" / "lm_eval_tasks"))
+    hf, served = (simple_evaluate(model=m, tasks=LM_EVAL_TASKS, task_manager=tasks, bootstrap_iters=0)
+                  for m in models.values())
+    for task in LM_EVAL_TASKS:
+        scores = {k: v for k, v in hf["results"][task].items() if isinstance(v, float)}
+        assert scores and {k: served["results"][task][k] for k in scores} == pytest.approx(scores, rel=1e-4)
+        for a, b in zip(hf["samples"][task], served["samples"][task], strict=True):
+            if task == "nanoserve_gen":
+                assert b["resps"] == a["resps"]  # the greedy answers, word for word
+            else:  # one [(loglikelihood, is_greedy)] per choice, or [loglikelihood] for a rolling text
+                expected, got = ([r if isinstance(r, tuple) else (r, None) for (r,) in x["resps"]] for x in (a, b))
+                assert [ll for ll, _ in got] == pytest.approx([ll for ll, _ in expected], abs=1e-3)
+                assert [greedy for _, greedy in got] == [greedy for _, greedy in expected]
+    assert 0 < hf["results"]["nanoserve_mc"]["acc,none"] < 1  # neither all right nor all wrong: the scores tell
+
+
 def test_usage_counts_prefix_cache_hits(client, llm):
     prompt = "A prefix long enough to fill a few KV blocks of sixteen tokens: " + "red green blue yellow " * 12
     num_prompt = len(llm.tokenizer.encode(prompt))
@@ -339,7 +457,7 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("completions", {"prompt": "Hi", "temperature": -1}, 400, "temperature"),
     ("completions", {"prompt": "Hi", "top_p": 1.5}, 400, "top_p"),
     ("completions", {"prompt": "Hi", "top_k": 0}, 400, "top_k"),
-    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0}, 400, "max_tokens"),  # 0 only with echo
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400, "prompt"),  # over max_model_len
     ("completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),  # not a token of this vocabulary
@@ -348,7 +466,9 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("completions", {"prompt": "Hi", "n": 1000}, 400, "n"),  # over max_num_seqs (256)
     ("completions", {"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
     ("completions", {"prompt": "Hi", "presence_penalty": 3}, 400, "presence_penalty"),
-    ("completions", {"prompt": "Hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "Hi", "max_tokens": -1, "echo": True}, 400, "max_tokens"),
+    ("completions", {"prompt": "Hi", "max_tokens": 0, "echo": True, "min_tokens": 1}, 400, "min_tokens"),
+    ("completions", {"prompt": "Hi", "echo": True, "logprobs": 21}, 400, "logprobs"),
     ("completions", {"model": "gpt-4", "prompt": "Hi"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"content": "Hi"}]}, 400, "messages"),

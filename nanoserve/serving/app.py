@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.echo import Echo, generate_nothing, make_echo
 from nanoserve.serving.logprobs import LogprobsFormat
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import (
@@ -43,8 +44,6 @@ Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta outpu
 
 # ---- from the request to the engine ----------------------------------------------------------------
 def refuse_unsupported(request: SamplingRequest) -> None:
-    if getattr(request, "echo", False):
-        raise APIError(400, "echo: not supported by nanoserve", "echo")
     if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
@@ -66,7 +65,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int)
     return SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                           min_p=request.min_p, presence_penalty=request.presence_penalty,
                           frequency_penalty=request.frequency_penalty, repetition_penalty=request.repetition_penalty,
-                          logprobs=request.num_logprobs(),
+                          logprobs=request.num_logprobs(), prompt_logprobs=request.num_prompt_logprobs(),
                           max_tokens=max(room, 1) if max_tokens is None else max_tokens, min_tokens=request.min_tokens,
                           ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids or [],
                           stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
@@ -124,19 +123,21 @@ def make_choice(chat: bool, stream: bool, index: int, text: str, finish_reason=N
     return ChatChoice(message=DeltaMessage(role="assistant", content=text), **kw)
 
 
-async def collect(outputs: Outputs, header: dict, chat: bool, n: int, logprobs: LogprobsFormat | None) -> Response:
+async def collect(outputs: Outputs, header: dict, chat: bool, n: int, logprobs: LogprobsFormat | None,
+                  echo: Echo | None) -> Response:
     """The whole answer at once: the deltas of each prompt's n sequences joined, choice i * n + j."""
-    texts, token_ids, lps, endings, usage = {}, {}, {}, {}, Usage()
+    texts, token_ids, lps, endings, num_tokens, usage = {}, {}, {}, {}, {}, Usage()
     async for i, out in outputs:
         c = out.outputs[0]
+        num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
         index = i * n + c.index
-        texts[index] = texts.get(index, "") + c.text
-        token_ids.setdefault(index, []).extend(c.token_ids)
-        lps.setdefault(index, []).extend(c.logprobs or [])
+        shown = echo.prepend(i, out, c) if echo and index not in texts else c
+        texts[index] = texts.get(index, "") + shown.text
+        token_ids.setdefault(index, []).extend(shown.token_ids)
+        lps.setdefault(index, []).extend(shown.logprobs or [])
         endings[index] = (c.finish_reason, c.stop_reason)
-        if out.finished:  # (a sequence aborted before its first token has no entry)
-            usage.add(len(out.prompt_token_ids), sum(len(token_ids.get(i * n + j, [])) for j in range(n)),
-                      out.num_cached_tokens)
+        if out.finished:
+            usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
     choices = [make_choice(chat, False, j, texts[j], *endings[j], logprobs and logprobs(token_ids[j], lps[j]))
                for j in sorted(texts)]
     return Response(**header, choices=choices, usage=usage)
@@ -149,7 +150,7 @@ def event(response: Response | dict | str) -> str:
 
 
 async def stream_events(outputs: Outputs, header: dict, chat: bool, num_choices: int, n: int,
-                        logprobs: LogprobsFormat | None, include_usage: bool) -> AsyncIterator[str]:
+                        logprobs: LogprobsFormat | None, include_usage: bool, echo: Echo | None) -> AsyncIterator[str]:
     """Server-sent events: a chunk per delta (choice i * n + j), a last one per choice with finish_reason, usage
     if asked, then [DONE]."""
     num_tokens, text_lens, usage = {}, {}, Usage()
@@ -162,11 +163,12 @@ async def stream_events(outputs: Outputs, header: dict, chat: bool, num_choices:
             c = out.outputs[0]
             num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
             index = i * n + c.index
-            if c.text or c.finish_reason or c.logprobs:
-                lps = logprobs and logprobs(c.token_ids, c.logprobs or [], text_lens.get(index, 0))
-                choice = make_choice(chat, True, index, c.text, c.finish_reason, c.stop_reason, lps)
+            shown = echo.prepend(i, out, c) if echo and index not in text_lens else c  # (the first chunk)
+            if shown.text or c.finish_reason or shown.logprobs:
+                lps = logprobs and logprobs(shown.token_ids, shown.logprobs or [], text_lens.get(index, 0))
+                choice = make_choice(chat, True, index, shown.text, c.finish_reason, c.stop_reason, lps)
                 yield event(Response(**header, choices=[choice]))
-            text_lens[index] = text_lens.get(index, 0) + len(c.text)
+            text_lens[index] = text_lens.get(index, 0) + len(shown.text)
             if out.finished:
                 usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
         if include_usage:
@@ -240,8 +242,10 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         return merge(streams, app.state.shutting_down)
 
     async def answer(request: SamplingRequest, raw: Request, prompts: list[list[int]], max_tokens: int | None,
-                     chat: bool):
-        outputs = start(request, prompts, max_tokens)
+                     chat: bool, echo: Echo | None = None):
+        outputs = start(request, prompts, 1 if echo and echo.score_only else max_tokens)
+        if echo and echo.score_only:
+            outputs = generate_nothing(outputs)
         kind = ("chat.completion.chunk" if request.stream else "chat.completion") if chat else "text_completion"
         header = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind, model=model_name)
         k = request.num_logprobs()
@@ -250,9 +254,10 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         logprobs = None if k is None else LogprobsFormat(tokenizer, chat, k)
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
-            events = stream_events(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage)
+            events = stream_events(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage,
+                                   echo)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs), raw)
+        return await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs, echo), raw)
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request):
@@ -263,7 +268,8 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
         except ValueError as e:
             raise as_api_error(e, request) from e
-        return await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False)
+        echo = make_echo(request, prompts, token_ids, tokenizer)
+        return await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False, echo=echo)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):

@@ -13,13 +13,16 @@ class LogprobsFormat:
     k: int  # the most likely tokens to list per position
 
     def __call__(self, token_ids: list[int], logprobs: SampleLogprobs, text_offset: int = 0):
-        """text_offset: where the first token starts in the choice's text (a stream's earlier chunks)."""
-        entries = [self.entry(t, lps) for t, lps in zip(token_ids, logprobs)]
+        """text_offset: where the first token starts in the choice's text (a stream's earlier chunks).
+        A None in logprobs is an echoed prompt's first token (completions only): spelled, with null logprobs."""
+        entries = [None if lps is None else self.entry(t, lps) for t, lps in zip(token_ids, logprobs)]
         if self.chat:
             return ChatLogprobs(content=entries)
-        offsets = list(accumulate([len(e.token) for e in entries], initial=text_offset))[:-1]
-        return CompletionLogprobs(tokens=[e.token for e in entries], token_logprobs=[e.logprob for e in entries],
-                                  top_logprobs=[{t.token: t.logprob for t in e.top_logprobs} for e in entries],
+        tokens = [self.tokenizer.decode([t]) if e is None else e.token for t, e in zip(token_ids, entries)]
+        offsets = list(accumulate(map(len, tokens), initial=text_offset))[:-1]
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[None if e is None else e.logprob for e in entries],
+                                  top_logprobs=[None if e is None else {t.token: t.logprob for t in e.top_logprobs}
+                                                for e in entries],
                                   text_offset=offsets)
 
     def entry(self, token_id: int, lps: dict) -> ChatTokenLogprob:

@@ -1,8 +1,7 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, priority, stop_token_ids, include_stop_str_in_output); `echo`, which OpenAI defines but nanoserve
-lacks, is accepted so that it can be refused with a 400 that names it, instead of being silently ignored.
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output).
 """
 import time
 from typing import Literal
@@ -43,15 +42,21 @@ class SamplingRequest(BaseModel):
     n: int = 1  # completions per prompt (up to the server's max_num_seqs)
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
 
+    def num_prompt_logprobs(self) -> int | None:
+        return None
+
 
 class CompletionRequest(SamplingRequest):
     # a string, a list of strings, token ids, or a list of token-id lists: one choice per prompt
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # per token: its logprob and the k most likely
-    echo: bool = False  # not supported: a 400 when set
+    echo: bool = False  # the text (and logprobs) start with the prompt; then max_tokens may be 0
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.logprobs if self.echo else None
 
 
 class TextPart(BaseModel):
@@ -99,11 +104,12 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
-    """The legacy completions shape: parallel lists, one entry per generated token."""
+    """The legacy completions shape: parallel lists, one entry per token (with echo, the prompt's first: their
+    first logprob and top_logprobs are null, nothing comes before the first token)."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]  # the most likely tokens at each position, text -> logprob
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]  # the most likely tokens at each position, text -> logprob
     text_offset: list[int]  # where each token starts in the choice's text
 
 
