@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
 
-PARTS = {"schedule": "scheduler", "prepare_inputs": "model_runner", "execute_model": "model_runner",
+PARTS = {"schedule": "scheduler", "prepare_inputs": "input_builder", "execute_model": "executor",
          "_update_from_output": None}  # method -> the engine attribute that owns it (None: the engine)
 
 

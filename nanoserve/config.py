@@ -1,10 +1,14 @@
 import importlib.util
+import math
 import os
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+
+from nanoserve.speculative_config import SpeculativeConfig
 
 
 def pick_attention_backend(name: str, device: str) -> str:
@@ -23,6 +27,26 @@ def pick_attention_backend(name: str, device: str) -> str:
         raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
                          "tests): export TRITON_INTERPRET=1 before starting Python")
     return name
+
+
+# The range of each numeric option, as SamplingParams checks its own: (name, type, allowed, the limit as the
+# error states it). A float must be finite too: NaN fails every comparison, but inf passes ">= 0".
+LIMITS = (
+    ("max_num_seqs", Integral, lambda v: v >= 1, ">= 1"),
+    ("max_num_batched_tokens", Integral, lambda v: v >= 1, ">= 1"),
+    ("max_model_len", Integral, lambda v: v >= 1, ">= 1"),
+    ("block_size", Integral, lambda v: v >= 1, ">= 1"),
+    ("tensor_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
+    ("num_kvcache_blocks", Integral, lambda v: v >= 1, ">= 1"),  # or None: sized from memory
+    ("gpu_memory_utilization", Real, lambda v: 0 < v <= 1, "in (0, 1]"),
+    ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
+    ("swap_space", Real, lambda v: v >= 0, ">= 0 (GiB)"),
+)
+CHOICES = (
+    ("scheduling_policy", ("fcfs", "priority")),
+    ("preemption_mode", ("recompute", "swap")),
+    ("dtype", ("float32", "bfloat16", "float16")),
+)
 
 
 @dataclass
@@ -50,12 +74,28 @@ class Config:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
+    speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
+        self._read_model()
+        self._resolve_auto()
+        self._validate()
+
+    def _read_model(self) -> None:
+        """config.json (and generation_config.json): the architecture, the context cap, the EOS ids."""
         if not os.path.isfile(os.path.join(self.model, "config.json")):
             raise ValueError(f"model: {self.model!r} is not a model folder (no config.json found in it)")
+        self.hf_config = AutoConfig.from_pretrained(self.model)
+        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        eos = self.hf_config.eos_token_id
+        if os.path.isfile(os.path.join(self.model, "generation_config.json")):
+            eos = GenerationConfig.from_pretrained(self.model).eos_token_id or eos  # what HF generate stops on
+        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def _resolve_auto(self) -> None:
+        """Turn each "auto" (or None) into what runs on this machine."""
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.attention_backend = pick_attention_backend(self.attention_backend, self.device)
@@ -64,25 +104,34 @@ class Config:
         # kernels find a token's block with shifts and masks: any power of two from 16 up.
         if self.block_size is None:
             self.block_size = 256 if self.attention_backend == "flash_attn" else 16
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
-                     "tensor_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+
+    def _validate(self) -> None:
+        """The limits table, the choices, then what depends on several options or on the model."""
+        for name, kind, allowed, limit in LIMITS:
+            value = getattr(self, name)
+            if value is None and name == "num_kvcache_blocks":
+                continue
+            if isinstance(value, bool) or not isinstance(value, kind):
+                raise ValueError(f"{name} must be {'an integer' if kind is Integral else 'a number'}, got {value!r}")
+            if not math.isfinite(value) or not allowed(value):
+                raise ValueError(f"{name} must be {limit}, got {value}")
+        for name, choices in CHOICES:
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
         if self.attention_backend == "flash_attn" and self.block_size % 256:
             raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {self.block_size}")
         if self.attention_backend == "triton" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
-        if self.num_kvcache_blocks is not None and self.num_kvcache_blocks < 1:
-            raise ValueError(f"num_kvcache_blocks must be >= 1, got {self.num_kvcache_blocks}")
-        for name, choices in (("scheduling_policy", ("fcfs", "priority")), ("preemption_mode", ("recompute", "swap"))):
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 (GiB), got {self.swap_space}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
-        self.hf_config = AutoConfig.from_pretrained(self.model)
-        self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_model_len ({self.max_model_len}), or set enable_chunked_prefill=True"
+            )
         n, c = self.tensor_parallel_size, self.hf_config  # tensor parallelism: equal shares for every rank
         for name in ("num_attention_heads", "intermediate_size"):
             if getattr(c, name) % n:
@@ -92,23 +141,21 @@ class Config:
                              "must divide one another (fewer KV heads than ranks are replicated)")
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
+        if self.speculative_config is not None:
+            self._validate_speculative_config()
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
-        # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}), or set enable_chunked_prefill=True"
-            )
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be 'auto', 'float32', 'bfloat16' or 'float16', got {self.dtype!r}")
-        eos = self.hf_config.eos_token_id
-        if os.path.isfile(os.path.join(self.model, "generation_config.json")):
-            eos = GenerationConfig.from_pretrained(self.model).eos_token_id or eos  # what HF generate stops on
-        self.eos_token_ids = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+
+    def _validate_speculative_config(self) -> None:
+        """Its own keys (speculative_config.py), then what the engine does not combine it with (yet)."""
+        spec = self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.method == "draft_model":
+            raise ValueError("speculative_config.method='draft_model' is not implemented yet: use 'ngram'")
+        if self.async_scheduling:
+            raise ValueError("speculative_config with async_scheduling=True is not supported yet: the next step "
+                             "would be planned before this one's drafts are verified, so neither its drafts nor "
+                             "how far its num_computed_tokens rolls back would be known; turn one of them off")
 
     @property
     def torch_dtype(self) -> torch.dtype:

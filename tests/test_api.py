@@ -7,6 +7,7 @@ import pytest
 
 from conftest import hf_greedy
 from nanoserve import LLM, SamplingParams
+from nanoserve.config import Config
 
 EOS = 2
 MAX_TOKENS = 8
@@ -43,15 +44,15 @@ def assert_usable(llm: LLM, expected) -> None:
 
 def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
     """Make the n-th model forward raise, as an out-of-memory or a kernel error would."""
-    run, calls = llm.engine.model_runner.run, []
+    execute, calls = llm.engine.executor.execute_model, []
 
-    def failing_run(seqs):
+    def failing_execute(out, inputs):
         calls.append(1)
         if len(calls) == n:
             raise RuntimeError("injected failure")
-        return run(seqs)
+        return execute(out, inputs)
 
-    monkeypatch.setattr(llm.engine.model_runner, "run", failing_run)
+    monkeypatch.setattr(llm.engine.executor, "execute_model", failing_execute)
 
 
 # ---- bad input ------------------------------------------------------------------------------
@@ -150,6 +151,26 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
     msg = str(e.value)
     assert "GPT2LMHeadModel" in msg
     assert all(a in msg for a in ("Qwen3ForCausalLM", "Qwen2ForCausalLM", "LlamaForCausalLM")), msg
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("gpu_memory_utilization", float("nan"), ["gpu_memory_utilization", "(0, 1]", "nan"]),
+    ("gpu_memory_utilization", 1.5, ["gpu_memory_utilization", "(0, 1]", "1.5"]),
+    ("cpu_kvcache_space", float("inf"), ["cpu_kvcache_space", "> 0", "inf"]),
+    ("cpu_kvcache_space", 0, ["cpu_kvcache_space", "> 0"]),
+    ("swap_space", float("nan"), ["swap_space", ">= 0", "nan"]),
+    ("swap_space", float("-inf"), ["swap_space", "-inf"]),
+    ("max_num_seqs", 0, ["max_num_seqs", ">= 1", "got 0"]),
+    ("max_num_seqs", 2.5, ["max_num_seqs", "an integer", "2.5"]),
+    ("block_size", "16", ["block_size", "an integer", "'16'"]),
+    ("num_kvcache_blocks", 0, ["num_kvcache_blocks", ">= 1"]),
+    ("swap_space", True, ["swap_space", "a number", "True"]),
+    ("dtype", "int8", ["dtype", "float32", "int8"]),
+])
+def test_bad_engine_options_name_the_field(tiny_models, option, value, words):
+    with pytest.raises(ValueError) as e:
+        Config(tiny_models["qwen3"], **{option: value})
+    assert all(w in str(e.value) for w in words), str(e.value)
 
 
 def test_unknown_option_lists_the_options(tiny_models):

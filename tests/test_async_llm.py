@@ -144,7 +144,7 @@ def test_200_requests_from_8_threads_equal_one_offline_run(tiny_models, async_sc
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failing_step_reaches_its_callers_and_the_engine_goes_on(tiny_models, monkeypatch, async_scheduling):
     llm = AsyncLLM(tiny_models["qwen2"], **OPTIONS, async_scheduling=async_scheduling)
-    execute, calls = llm.engine_core.model_runner.execute_model, []
+    execute, calls = llm.engine_core.executor.execute_model, []
 
     def fail_once_both_run(out, inputs):
         if len(out.seqs) == 2 and not calls:
@@ -152,7 +152,7 @@ def test_a_failing_step_reaches_its_callers_and_the_engine_goes_on(tiny_models, 
             raise RuntimeError("injected failure")
         return execute(out, inputs)
 
-    monkeypatch.setattr(llm.engine_core.model_runner, "execute_model", fail_once_both_run)
+    monkeypatch.setattr(llm.engine_core.executor, "execute_model", fail_once_both_run)
 
     async def main():
         results = await asyncio.gather(*(collect(llm, p, LONG) for p in PROMPTS[:2]), return_exceptions=True)

@@ -262,9 +262,10 @@ def test_model_runner_copies_blocks_before_the_forward(tiny_models):
     from nanoserve import LLM
     from nanoserve.engine.scheduler import SchedulerOutput
 
-    runner = LLM(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=4).engine.model_runner
+    engine = LLM(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=4).engine
+    runner = engine.model_runner
     runner.kv_cache[:, :, 1] = torch.randn_like(runner.kv_cache[:, :, 1])
     before = runner.kv_cache.clone()
-    assert runner.run(SchedulerOutput(blocks_to_copy=[(1, 3)])) == []
+    assert engine.executor.execute_model(SchedulerOutput(blocks_to_copy=[(1, 3)]), None).tolist() == []
     assert torch.equal(runner.kv_cache[:, :, 3], before[:, :, 1])
     assert torch.equal(runner.kv_cache[:, :, :3], before[:, :, :3])  # nothing else changed

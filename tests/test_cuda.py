@@ -48,9 +48,10 @@ def expected(tiny_models):
 
 
 def count_graph_replays(llm: LLM) -> list[int]:
-    runner, replays = llm.engine.model_runner, []
-    replay = runner._replay_cudagraph
-    runner._replay_cudagraph = lambda *args: replays.append(len(args[0])) or replay(*args)
+    graphs, replays = llm.engine.model_runner.cuda_graphs, []  # None: eager, nothing to count
+    if graphs is not None:
+        replay = graphs.replay
+        graphs.replay = lambda *args: replays.append(len(args[0])) or replay(*args)
     return replays
 
 

@@ -33,7 +33,7 @@ def test_batch_queue_overlaps_steps_and_drops_the_token_after_the_finish(tiny_mo
     finishes at N loses the token N+1 computed for it, and its blocks come back at once."""
     engine = LLM(tiny_models["qwen3"], **OPTIONS, async_scheduling=True).engine
     engine.add_request("a", PROMPTS[2], greedy(2, ignore_eos=True))
-    seq, _ = engine.requests["a"][0]  # (the first of its n sequences, its detokenizer)
+    seq = engine.requests["a"].first_seq
     assert engine.step_fn() == []  # step 1 (the prefill) launched, nothing back yet
     assert seq.num_output_placeholders == 1 and len(seq) == len(PROMPTS[2]) + 1
     first = engine.step_fn()  # step 2 (a decode of the placeholder) launched, then step 1 taken in
@@ -61,7 +61,7 @@ def test_a_failed_forward_fails_exactly_its_requests(tiny_models, monkeypatch, a
     for _ in range(3):
         for out in engine.step_fn():
             outputs.setdefault(out.request_id, []).append(out)
-    execute, calls = engine.model_runner.execute_model, []
+    execute, calls = engine.executor.execute_model, []
 
     def fail_once(out, inputs):
         calls.append([seq.request_id for seq in out.seqs])
@@ -69,7 +69,7 @@ def test_a_failed_forward_fails_exactly_its_requests(tiny_models, monkeypatch, a
             raise RuntimeError("injected failure")
         return execute(out, inputs)
 
-    monkeypatch.setattr(engine.model_runner, "execute_model", fail_once)
+    monkeypatch.setattr(engine.executor, "execute_model", fail_once)
     engine.add_request("c", PROMPTS[2], greedy(8))
     drain(engine, outputs)
     assert calls[0] == ["c"]

@@ -1,7 +1,7 @@
 """Sampler unit tests on hand-made logits."""
 import torch
 
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampler import Sampler, SamplingMetadata
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 N = 2000  # draws: one row per draw, in one call
@@ -14,8 +14,14 @@ def sample(logits, temperature=1.0, top_k=None, top_p=1.0, generators=None, min_
     def per_row(x, dtype):
         return torch.as_tensor(x, dtype=dtype).expand(n).clone()
 
-    return Sampler()(logits, per_row(temperature, torch.float32), per_row(top_k or vocab, torch.int64),
-                     per_row(top_p, torch.float32), generators or [None] * n, per_row(min_p, torch.float32))
+    return Sampler()(logits, SamplingMetadata(
+        temperatures=per_row(temperature, torch.float32), top_ks=per_row(top_k or vocab, torch.int64),
+        top_ps=per_row(top_p, torch.float32), min_ps=per_row(min_p, torch.float32),
+        generators=generators or [None] * n))
+
+
+def options(temperatures=None, top_ks=None, top_ps=None, min_ps=None) -> SamplingMetadata:
+    return SamplingMetadata(temperatures, top_ks, top_ps, min_ps, [None] * N)
 
 
 def draws(**kwargs) -> set[int]:
@@ -80,8 +86,8 @@ def test_options_no_row_uses_can_be_none():
     """The engine passes None for an option no row uses (temperatures None: all greedy), over many rows."""
     logits = torch.tensor(PROBS).log().repeat(N, 1)
     torch.manual_seed(0)
-    assert Sampler()(logits, None, None, None, [None] * N).tolist() == [0] * N
+    assert Sampler()(logits, options()).tolist() == [0] * N
     ones = torch.ones(N)
-    assert set(Sampler()(logits, ones, None, torch.full((N,), 0.7), [None] * N).tolist()) == {0, 1}  # top_p alone
-    assert set(Sampler()(logits, ones, torch.full((N,), 3), None, [None] * N).tolist()) == {0, 1, 2}  # top_k alone
-    assert set(Sampler()(logits, ones, None, None, [None] * N, min_ps=torch.full((N,), 0.5)).tolist()) == {0, 1}
+    assert set(Sampler()(logits, options(ones, top_ps=torch.full((N,), 0.7))).tolist()) == {0, 1}  # top_p alone
+    assert set(Sampler()(logits, options(ones, top_ks=torch.full((N,), 3))).tolist()) == {0, 1, 2}  # top_k alone
+    assert set(Sampler()(logits, options(ones, min_ps=torch.full((N,), 0.5))).tolist()) == {0, 1}

@@ -182,7 +182,7 @@ def test_abort_frees_running_and_waiting_sequences(make):
     b = add(s, 1, 5)  # does not fit next to a
     assert step(s) == ([0], True)
     assert queues(s) == ([1], [0])
-    s.abort(a)
+    s.finish(a)
     assert queues(s) == ([1], []) and all_free(s) and a.status == SequenceStatus.FINISHED
-    s.abort(b)
+    s.finish(b)
     assert s.is_finished() and all_free(s) and b.status == SequenceStatus.FINISHED

@@ -262,7 +262,7 @@ def test_abort_frees_a_swapped_request(make):
     step(s)
     step(s)
     assert c.status == SequenceStatus.SWAPPED
-    s.abort(c)
+    s.finish(c)
     assert not s.swapped and s.host_block_manager.num_free_blocks == 4 and c.is_finished
 
 

@@ -64,7 +64,7 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     config = llm.engine.config.hf_config
     q_heads, kv_heads = config.num_attention_heads // N, max(1, config.num_key_value_heads // N)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shapes = llm.engine.model_runner.call("parameter_shapes")
+    shapes = llm.engine.executor.call("parameter_shapes")
     assert len(shapes) == N
     for rank_shapes in shapes:
         assert rank_shapes.keys() == full_shapes.keys()
@@ -80,7 +80,7 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     with pytest.raises(ValueError, match="max_tokens"):  # a bad request: refused, the engine stays usable
         llm.generate([[5, 6, 7]], SamplingParams(max_tokens=0), use_tqdm=False)
     assert generate(llm, plain[:2])[0] == expected[0][:2]
-    procs = llm.engine.model_runner.workers.procs
+    procs = llm.engine.executor.procs
     del llm
     assert no_process_left(procs) and torch.get_num_threads() == num_threads
 
@@ -98,7 +98,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
 
     llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
     assert generate(llm, prompts)[0] == expected
-    shapes = llm.engine.model_runner.call("parameter_shapes")
+    shapes = llm.engine.executor.call("parameter_shapes")
     assert [rank["lm_head.weight"][0] for rank in shapes] == [(vocab_size + 1) // 2] * N
     # Logprobs of every token: the distribution is over the real vocabulary, no padding id in it.
     params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=vocab_size, seed=0)
@@ -106,7 +106,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
     for logprobs in output.logprobs:
         assert sorted(logprobs) == list(range(vocab_size))
         assert math.isclose(sum(math.exp(lp.logprob) for lp in logprobs.values()), 1, rel_tol=1e-4)
-    procs = llm.engine.model_runner.workers.procs
+    procs = llm.engine.executor.procs
     del llm
     assert no_process_left(procs)
 
@@ -118,7 +118,7 @@ def test_swap_preemption_then_a_killed_worker_raises_a_clear_error_within_second
     assert llm.stats.num_swapped_out > 0  # every rank copied its own slice of the blocks out and back
 
     runner = llm.engine.model_runner
-    worker = runner.workers.procs[0]
+    worker = llm.engine.executor.procs[0]
     run_model, calls = runner.run_model, []
 
     def kill_worker_then_run(*args):  # the worker has got this step and waits in the forward's first collective
@@ -143,7 +143,7 @@ def test_failed_start_and_interpreter_exit_leave_no_process(models, tmp_path):
     assert no_process_left([])
     # A script that dies of an exception with a live tensor-parallel LLM: its worker exits with it.
     script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N})\n"
-              "print(llm.engine.model_runner.workers.procs[0].pid, flush=True)\nraise SystemExit('boom')\n")
+              "print(llm.engine.executor.procs[0].pid, flush=True)\nraise SystemExit('boom')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 1 and "boom" in done.stderr

@@ -26,7 +26,8 @@ def check_step(llm: LLM) -> None:
     assert rec.step == len(llm.trace) - 1
     assert rec.num_scheduled_tokens == sum(r.num_tokens for r in rec.scheduled) <= rec.token_budget
     assert all(r.num_tokens >= 1 for r in rec.scheduled)
-    assert len({r.request_id for r in rec.scheduled}) == len(rec.scheduled)
+    assert len({r.seq_id for r in rec.scheduled}) == len(rec.scheduled)
+    assert all(rec.seq_requests[r.seq_id] == (r.request_id, 0) for r in rec.scheduled)  # (n = 1 here)
     for ids, queue in ((rec.waiting, scheduler.waiting), (rec.running, scheduler.running),
                        (rec.swapped, scheduler.swapped)):
         assert ids == [seq.seq_id for seq in queue]
@@ -43,7 +44,7 @@ def check_states(trace) -> None:
         places = [*rec.waiting, *rec.running, *rec.swapped, *finished]
         assert len(places) == len(set(places)) and seen <= set(places)
         seen = set(places)
-        assert {r.request_id for r in rec.scheduled} <= set(rec.running) | set(rec.finished)
+        assert {r.seq_id for r in rec.scheduled} <= set(rec.running) | set(rec.finished)
         assert set(rec.recomputed) <= set(rec.waiting) | set(rec.running)  # re-admitted in the same step is fine
         assert set(rec.swapped_out) <= set(rec.swapped)
     states = request_states(trace)
@@ -62,7 +63,7 @@ def check_stats(trace, stats) -> None:
     # A request admitted from waiting starts where its cached prefix ends.
     cached, running = 0, set()
     for rec in trace:
-        cached += sum(r.start for r in rec.scheduled if r.request_id not in running | set(rec.swapped_in))
+        cached += sum(r.start for r in rec.scheduled if r.seq_id not in running | set(rec.swapped_in))
         running = set(rec.running)
     assert cached == stats.num_cached_tokens
 

@@ -4,6 +4,7 @@ import numpy as np
 import xxhash
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.utils.math import cdiv
 
 
 def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -128,10 +129,6 @@ class BlockManager:
         (1 + k tokens with k draft tokens may span several), plus a private copy of a shared last block."""
         return seq.num_blocks - len(seq.block_table) + self._writes_shared_block(seq)
 
-    def needs_block(self, seq: Sequence) -> bool:
-        """Does seq's step need a free block: its tokens spill past its last block, or that one is shared?"""
-        return self.num_new_blocks(seq) > 0
-
     def can_append(self, seq: Sequence) -> bool:
         """Can seq's uncomputed tokens get their slots?"""
         return self.num_new_blocks(seq) <= self.num_free_blocks
@@ -151,15 +148,10 @@ class BlockManager:
         return copies
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past its first num_tokens tokens: after a verification, the blocks that held
-        only rejected draft tokens. Nothing in them was verified, so nothing was hashed: they go to the front
-        of the free queue, to be reused before any block the prefix cache can still hit."""
-        keep = (num_tokens + self.block_size - 1) // self.block_size
-        tail = seq.block_table[keep:]
-        del seq.block_table[keep:]
-        for block_id in tail:
-            self.blocks[block_id].ref_count -= 1
-        self.free_block_ids.extendleft(reversed([b for b in tail if self.blocks[b].ref_count == 0]))
+        """Give back seq's blocks past its first num_tokens tokens: after a verification, those that held only
+        rejected draft tokens (never hashed: nothing in them was verified)."""
+        self._free(seq.block_table[cdiv(num_tokens, self.block_size) :])
+        del seq.block_table[cdiv(num_tokens, self.block_size) :]
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child starts as a copy of parent: it shares all its blocks (one more reference each)."""

@@ -1,6 +1,6 @@
 import os
 import queue
-from collections import deque
+from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import count
@@ -10,12 +10,15 @@ from transformers import AutoTokenizer
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.detokenizer import IncrementalDetokenizer
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.executor import Executor
+from nanoserve.engine.input_batch import InputBuilder, ModelInput
+from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
 from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.math import cdiv
 
 
 @dataclass
@@ -51,13 +54,16 @@ class LaunchedStep(Future):
 
 
 class EngineCore:
-    """The engine (vLLM V1's EngineCore): owns the scheduler, the KV blocks and the model runner.
-    `step()` = schedule -> run the model -> update; the offline LLM calls it in a loop, AsyncLLM runs
-    `run_busy_loop` in a thread. With async_scheduling, `step_with_batch_queue` takes its place."""
+    """The engine (vLLM V1's EngineCore): owns the requests, the scheduler, the KV blocks and the executor
+    (the model on every rank). `step()` = schedule -> run the model -> update; the offline LLM calls it in a
+    loop, AsyncLLM runs `run_busy_loop` in a thread. With async_scheduling, `step_with_batch_queue` takes its
+    place."""
 
     def __init__(self, config: Config):
         self.config = config
-        self.model_runner = ModelRunner(config)
+        self.executor = Executor(config)
+        self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
+        self.input_builder = InputBuilder.from_config(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         swap_pool = None
@@ -67,18 +73,18 @@ class EngineCore:
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
-        self.requests: dict[str, list[tuple[Sequence, IncrementalDetokenizer | None]]] = {}  # one per n
+        self.requests: dict[str, Request] = {}
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
-        # On CPU a forward blocks its thread, so the forwards run one after another in an executor thread.
+        # On CPU a forward blocks its thread, so the forwards run one after another in a thread of their own.
         # On CUDA the main thread launches them: launches return at once, and the GPU runs while we plan.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
-        self.executor = None
+        self.forward_thread = None
         if config.async_scheduling:
             self.batch_queue = deque()
             if config.device == "cpu":
-                self.executor = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
+                self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
 
     # ---- requests ---------------------------------------------------------------------------------
     def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
@@ -104,7 +110,7 @@ class EngineCore:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         # The prompt's full blocks are shared; each of the n sequences fills the rest on its own.
         bs = self.config.block_size
-        num_blocks = len(token_ids) // bs + params.n * -(-(len(token_ids) % bs + params.max_tokens) // bs)
+        num_blocks = len(token_ids) // bs + params.n * cdiv(len(token_ids) % bs + params.max_tokens, bs)
         if num_blocks > self.block_manager.num_blocks:
             raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "
                              f"{self.block_manager.num_blocks} (block_size {self.config.block_size})")
@@ -114,20 +120,18 @@ class EngineCore:
         self.check_request(prompt_token_ids, sampling_params, priority)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        seqs = [Sequence(next(self.seq_ids), prompt_token_ids, sampling_params, self.config.block_size, priority,
-                         request_id, i) for i in range(sampling_params.n)]
-        for seq in seqs:
-            seq.group = seqs
-        self.requests[request_id] = [(seq, IncrementalDetokenizer(self.tokenizer, sampling_params)
-                                      if self.tokenizer else None) for seq in seqs]
-        self.scheduler.add(seqs[0])  # the others fork from it once its prompt is done
+        request = Request(request_id, prompt_token_ids, sampling_params, block_size=self.config.block_size,
+                          seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority)
+        self.requests[request_id] = request
+        self.scheduler.add(request.first_seq)  # the others fork from it once its prompt is done
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if there is no such request (it may have finished)."""
-        if request_id not in self.requests:
+        request = self.requests.pop(request_id, None)
+        if request is None:
             return False
-        for seq, _ in self.requests.pop(request_id):
-            self.scheduler.abort(seq)
+        for seq in request.seqs:
+            self.scheduler.finish(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -143,7 +147,7 @@ class EngineCore:
         """Schedule, run the model, take in its output: one step, the forward in between."""
         out = self.scheduler.schedule()
         try:
-            token_ids = self.model_runner.run(out)
+            token_ids = self.executor.execute_model(out, self.input_builder.prepare_inputs(out)).tolist()
         except Exception as error:
             return self._fail(out.seqs + out.preempted, error)
         return self._update_from_output(out, token_ids)
@@ -155,7 +159,7 @@ class EngineCore:
         when N+1 runs."""
         if not self.scheduler.is_finished() and len(self.batch_queue) < 2:
             out = self.scheduler.schedule()
-            inputs = self.model_runner.prepare_inputs(out)
+            inputs = self.input_builder.prepare_inputs(out)
             self.batch_queue.append((out, self._submit(out, inputs)))
             if len(self.batch_queue) < 2:
                 return []  # go plan the next step while this one runs
@@ -168,44 +172,56 @@ class EngineCore:
             return self._fail(out.seqs + out.preempted, error)
         return self._update_from_output(out, token_ids)
 
-    def _submit(self, out: SchedulerOutput, inputs) -> Future:
+    def _submit(self, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
         """Start a step's forward; its future gives the sampled ids (a CPU tensor)."""
-        if self.executor is not None:
-            return self.executor.submit(self.model_runner.execute_model, out, inputs)
+        if self.forward_thread is not None:
+            return self.forward_thread.submit(self.executor.execute_model, out, inputs)
         try:
-            return LaunchedStep(self.model_runner.execute_model(out, inputs))
+            return LaunchedStep(self.executor.execute_model(out, inputs))
         except Exception as error:  # failed at launch: the step fails when its turn comes, as on CPU
             future = Future()
             future.set_exception(error)
             return future
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
-        """Append the sampled tokens, detokenize, look for stop strings, finish requests."""
-        outputs, finished, updated = [], set(), self.scheduler.postprocess(out, token_ids)
-        for seq in updated:
-            token_id, params = seq.token_ids[-1], seq.sampling_params
-            stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
-            _, detokenizer = self.requests[seq.request_id][seq.index]
-            new_text = ""
-            if detokenizer is not None:
-                stop = detokenizer.update(token_id, seq.is_finished)
-                if stop is not None:  # its text holds a stop string: it finishes here
-                    self.scheduler.abort(seq)
-                    seq.finish_reason, stop_reason = "stop", stop
-                new_text = detokenizer.get_delta(seq.is_finished)
-            if all(s.is_finished for s in seq.group):
-                finished.add(seq.request_id)
-            # (The model runner wrote the token's logprobs when it sampled it; a later step may be ahead.)
-            logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_completion_tokens - 1 :][:1]
-            first = seq.group[0]  # it prefilled the prompt for all n: its cache hits, its prompt logprobs
-            outputs.append(EngineCoreOutput(seq.request_id, [token_id], new_text, seq.is_finished,
-                                            seq.finish_reason, stop_reason, first.num_cached_tokens, logprobs,
-                                            first.prompt_logprobs, seq.index))
-        for request_id in finished:
-            del self.requests[request_id]
+        """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
+        detokenize each new token and look for stop strings; drop the requests that are done."""
+        updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
+        outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
+        for request_id in {seq.request_id for seq in updated}:
+            if self.requests[request_id].is_finished:
+                del self.requests[request_id]
+        if self.config.speculative_config is not None:  # the next step's drafts (docs/speculative.md)
+            propose_drafts(self.scheduler.running, self.config.speculative_config)
         if self.trace is not None:  # LLM(..., trace=True): nanoserve/tools/trace.py prints and plots it
-            self.trace.append(record_step(len(self.trace), out, updated, self.scheduler))
+            self.trace.append(record_step(len(self.trace), out, list(updated), self.scheduler))
         return outputs
+
+    def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:
+        """seq's num_new newest tokens (more than 1 with speculative decoding) as text; a stop string in that
+        text finishes seq there, and the tokens after it are dropped."""
+        start, params = len(seq.token_ids) - num_new, request.sampling_params
+        token_id = seq.token_ids[-1]
+        stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
+        detokenizer, new_text = request.detokenizers[seq.index], ""
+        if detokenizer is not None:
+            for i, token_id in enumerate(seq.token_ids[start:], start + 1):
+                stop = detokenizer.update(token_id, seq.is_finished and i == len(seq.token_ids))
+                if stop is not None:
+                    del seq.token_ids[i:]
+                    self.scheduler.finish(seq)
+                    seq.finish_reason, stop_reason = "stop", stop
+                    break
+            new_text = detokenizer.get_delta(seq.is_finished)
+        # (The model runner wrote the tokens' logprobs when it sampled them; a later step may be ahead.)
+        n = start - seq.num_prompt_tokens
+        logprobs = None if seq.logprobs is None else seq.logprobs[n : n + len(seq.token_ids) - start]
+        return EngineCoreOutput(
+            request_id=request.request_id, new_token_ids=seq.token_ids[start:], new_text=new_text,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason, stop_reason=stop_reason,
+            num_cached_tokens=request.first_seq.num_cached_tokens, new_logprobs=logprobs,
+            prompt_logprobs=request.first_seq.prompt_logprobs, index=seq.index)
 
     def _fail(self, seqs: list[Sequence], error: BaseException) -> list[EngineCoreOutput]:
         """A step raised: exactly its requests fail (each caller gets the error) and free their blocks."""
@@ -236,10 +252,10 @@ class EngineCore:
             except Exception as error:  # a bug outside the forward: fail everyone rather than leave them waiting
                 if self.batch_queue:
                     self.batch_queue.clear()
-                outputs = self._fail([seq for seqs in self.requests.values() for seq, _ in seqs], error)
+                outputs = self._fail([seq for request in self.requests.values() for seq in request.seqs], error)
             if outputs:
                 output_queue.put_nowait(outputs)
 
     def shutdown(self) -> None:
-        if self.executor is not None:
-            self.executor.shutdown()
+        if self.forward_thread is not None:
+            self.forward_thread.shutdown()

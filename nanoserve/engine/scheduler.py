@@ -1,10 +1,12 @@
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens
 
 
 @dataclass
@@ -22,55 +24,14 @@ class SchedulerStats:
     num_priority_preemptions: int = 0  # running requests evicted for a more urgent waiting one (priority policy)
     num_swapped_out: int = 0  # preemptions that moved the KV to host memory (the others recompute)
     num_swapped_in: int = 0  # swapped-out requests whose KV was copied back
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # speculative_config
 
 
-@dataclass
-class SchedulerOutput:
-    """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
-
-    seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens[i] on; it samples a next
-    token only if that reaches its end (do_sample[i]). The block copies run before the forward, swap-outs first
-    (a block they free may be a copy's destination). A step never swaps both ways (swap-ins wait for a step
-    that preempted nobody), and a sequence that got a copy this step is never preempted in it.
-    """
-
-    seqs: list[Sequence] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)  # where each chunk starts
-    do_sample: list[bool] = field(default_factory=list)
-    forks: list[list[Sequence]] = field(default_factory=list)  # sampled from the same row as seqs[i], forked
-    preempted: list[Sequence] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
-    is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
-
-    def add(self, seq: Sequence, num_tokens: int) -> None:
-        self.seqs.append(seq)
-        self.num_scheduled_tokens.append(num_tokens)
-        self.num_computed_tokens.append(seq.num_computed_tokens)
-        self.do_sample.append(seq.num_computed_tokens + num_tokens == len(seq))
-        # Parallel sampling (n > 1): the first token is sampled n times, and the request's other sequences
-        # fork from this one with theirs.
-        prompt_done = self.do_sample[-1] and seq.num_computed_tokens + num_tokens == seq.num_prompt_tokens
-        self.forks.append(seq.group[1:] if prompt_done else [])
-
-
-def num_seats(seq: Sequence) -> int:
-    """The max_num_seqs seats a sequence takes: n for a request's first one until its prompt is done (the
-    others fork from it then), else 1."""
-    return len(seq.group) if seq.num_completion_tokens == 0 else 1
-
-
-def priority_key(seq: Sequence) -> tuple[int, int]:
-    """Lower priority value first; ties by arrival (seq ids count up in arrival order)."""
-    return seq.priority, seq.seq_id
-
-
-class Scheduler:
-    """Picks each step's batch. The default is nano-vllm's policy: prefill whenever waiting prompts fit,
-    else decode everything running, preempting the newest request when blocks run out. Three switches
-    from vLLM change it: enable_chunked_prefill, scheduling_policy="priority", preemption_mode="swap"."""
+class Scheduler(SchedulerPolicies):
+    """Picks each step's batch. The default is nano-vllm's policy, `schedule()` read top to bottom: prefill
+    whenever waiting prompts fit, else decode everything running, preempting the newest request when blocks
+    run out. Three switches from vLLM hook in where they differ: enable_chunked_prefill (below),
+    scheduling_policy="priority" and preemption_mode="swap" (engine/scheduler_policies.py)."""
 
     def __init__(self, config: Config, block_manager: BlockManager, host_block_manager: BlockManager | None = None):
         self.max_num_seqs = config.max_num_seqs
@@ -95,15 +56,36 @@ class Scheduler:
         """Plan the next step."""
         self.stats.num_steps += 1
         out = SchedulerOutput()
-        if self.scheduling_policy == "priority":
+        if self.scheduling_policy == "priority":  # an urgent newcomer takes blocks from less urgent requests
             self._preempt_for_priority(out)
-        if self.enable_chunked_prefill:
+        if self.enable_chunked_prefill:  # vLLM V1: one token budget, prefill chunks mixed with decodes
             self._schedule_token_budget(out)
-        else:
-            self._schedule_default(out)
+            return self._commit(out)
+        # Prefill: admit waiting prompts in order, whole, while seats, blocks and the token budget last.
+        # (Swapped-out requests come back before any new prompt is admitted, as in vLLM V0.)
+        num_batched_tokens = 0
+        while self.waiting and not self.swapped and num_seats(self.waiting[0]) <= self._num_free_seats():
+            seq = self.waiting[0]
+            num_new_tokens = self.block_manager.num_new_tokens(seq)  # a cached prefix costs no budget
+            if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens or seq in out.preempted:
+                break
+            if not self.block_manager.allocate(seq):
+                break
+            num_batched_tokens += num_new_tokens
+            self._admit(seq)
+            out.add(seq, len(seq) - seq.num_computed_tokens)
+        out.is_prefill = bool(out.seqs)
+        if not out.is_prefill:
+            # Decode: a token for each running sequence; when blocks run out, the newest request gives its KV up.
+            budget = self._schedule_running(out, self.max_num_batched_tokens)
+            if self.swapped and not out.preempted:  # a step that had to preempt has no room to bring anyone back
+                self._schedule_swapped(out, budget)
+        return self._commit(out)
+
+    def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
+        """The plan counts as done (vLLM V1): the next step, if planned before this one's output is back
+        (async scheduling), starts where this one ends, with a placeholder for each token it samples."""
         self.stats.num_prefill_steps += out.is_prefill
-        # The plan counts as done (vLLM V1): the next step, if planned before this one's output is back
-        # (async scheduling), starts where this one ends, with a placeholder for each token it samples.
         for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
             seq.num_computed_tokens += num_tokens
             seq.num_output_placeholders += do_sample
@@ -125,34 +107,10 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+        del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # drafts past the token budget are dropped
         out.blocks_to_copy += self.block_manager.may_append(seq)  # a new block for its newest token, if needed
         out.add(seq, num_tokens)
         return num_tokens
-
-    # ---- nano-vllm (the default): a step prefills whole prompts, or else decodes ---------------------
-    def _schedule_default(self, out: SchedulerOutput) -> None:
-        if not self.swapped:  # swapped-out requests come back before any new prompt is admitted (vLLM V0)
-            self._schedule_prefill(out)
-        if out.seqs:
-            out.is_prefill = True
-            return
-        self._schedule_running(out, self.max_num_batched_tokens)  # decodes: a token each
-        if not out.preempted:  # a step that had to preempt has no room to bring anyone back
-            self._schedule_swapped(out, self.max_num_batched_tokens - len(out.seqs))
-
-    def _schedule_prefill(self, out: SchedulerOutput) -> None:
-        num_batched_tokens = 0
-        while self.waiting and num_seats(self.waiting[0]) <= self._num_free_seats():
-            seq = self.waiting[0]
-            # The budget counts the tokens the step computes: a cached prefix costs none.
-            num_new_tokens = self.block_manager.num_new_tokens(seq)
-            if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens or seq in out.preempted:
-                break
-            if not self.block_manager.allocate(seq):
-                break
-            num_batched_tokens += num_new_tokens
-            self._admit(seq)
-            out.add(seq, len(seq) - seq.num_computed_tokens)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Schedule the running requests in order, each taking min(tokens it has left, budget left); a
@@ -162,7 +120,7 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self._pop_group(self.running)
-            while sum(map(self.block_manager.needs_block, group)) > self.block_manager.num_free_blocks:
+            while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:
                 if not self.running:
                     self.preempt(group[0], out)  # nobody else to take from: it waits for memory itself
                     break
@@ -175,14 +133,23 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         return budget
 
-    def _pop_group(self, queue: deque[Sequence]) -> list[Sequence]:
-        """The head of queue with the other sequences of its request in queue, taken out together (vLLM V0's
-        sequence group: the n sequences of a request run, are preempted and swapped as one)."""
-        seq = queue.popleft()
-        group = [seq] + [s for s in seq.group if s is not seq and s in queue]
-        for s in group[1:]:
-            queue.remove(s)
-        return group
+    def preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
+        """Take the KV blocks of seq and of the other running sequences of its request back. Swap mode copies
+        their KV to the host pool, to come back later; recompute (also the fallback when the host pool is
+        full) drops it: they wait and prefill all their tokens again."""
+        group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
+        for s in group:
+            if s in self.running:
+                self.running.remove(s)
+        self.stats.num_preemptions += 1
+        out.preempted += group
+        swap = swap and self._swap_out(group, out)
+        for s in reversed(group):  # to the front of their queue, in order
+            s.spec_token_ids = []  # (drafts are proposed for running sequences only)
+            if not swap:
+                self.block_manager.deallocate(s)
+            s.status = SequenceStatus.SWAPPED if swap else SequenceStatus.WAITING
+            self._enqueue(self.swapped if swap else self.waiting, s, front=True)
 
     # ---- vLLM V1 (enable_chunked_prefill=True): a token budget per step, chunked prefill -------------
     def _schedule_token_budget(self, out: SchedulerOutput) -> None:
@@ -196,9 +163,7 @@ class Scheduler:
                 self._schedule_swapped(out, budget)
             else:
                 self._schedule_waiting(out, budget)
-        # A decode computes just the newest token, one the model generated; anything else is prefill work.
-        decodes = [n == 1 and start >= seq.num_prompt_tokens
-                   for seq, n, start in zip(out.seqs, out.num_scheduled_tokens, out.num_computed_tokens)]
+        decodes = [out.is_decode(i) for i in range(len(out.seqs))]
         out.is_prefill = not all(decodes)
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
@@ -212,90 +177,21 @@ class Scheduler:
             self._admit(seq)
             budget -= self._schedule_chunk(seq, budget, out)
 
-    # ---- vLLM V0 priority scheduling (scheduling_policy="priority") -----------------------------------
-    def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool = False) -> None:
-        """FCFS: join at the back (a preempted request at the front). Priority: every queue stays sorted by
-        (priority, arrival), so its head is the most urgent request and the tail of running the first victim."""
-        if self.scheduling_policy == "priority":
-            bisect.insort(queue, seq, key=priority_key)
-        elif front:
-            queue.appendleft(seq)
-        else:
-            queue.append(seq)
-
-    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """While the most urgent waiting request lacks its blocks or a seat (max_num_seqs), running requests
-        of lower priority give theirs up, least urgent first. They recompute rather than swap: swapped
-        requests come back before new ones are admitted, so a swapped victim would take its blocks back."""
-        if not self.waiting or self.swapped:
-            return
-        seq = self.waiting[0]
-        while (self.running and priority_key(self.running[-1]) > priority_key(seq) and (
-                num_seats(seq) > self._num_free_seats() or not self.block_manager.can_allocate(seq))):
-            self.preempt(self.running.pop(), out, swap=False)
-            self.stats.num_priority_preemptions += 1
-
-    # ---- preemption: recompute (the default) or swap (preemption_mode="swap", vLLM V0) ----------------
-    def preempt(self, seq: Sequence, out: SchedulerOutput, swap: bool = True) -> None:
-        """Take the KV blocks of seq and of the other running sequences of its request back. Swap mode copies
-        their KV to the host pool, to come back later; recompute (also the fallback when the host pool is
-        full) drops it: they wait and prefill all their tokens again."""
-        group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
-        for s in group:
-            if s in self.running:
-                self.running.remove(s)
-        self.stats.num_preemptions += 1
-        out.preempted += group
-        host = self.host_block_manager
-        swap = swap and host is not None and host.num_free_blocks >= len({b for s in group for b in s.block_table})
-        if swap:
-            out.blocks_to_swap_out += self.block_manager.swap_out(group, host)
-            self.stats.num_swapped_out += 1
-        for s in reversed(group):  # to the front of their queue, in order
-            if not swap:
-                self.block_manager.deallocate(s)
-            s.status = SequenceStatus.SWAPPED if swap else SequenceStatus.WAITING
-            self._enqueue(self.swapped if swap else self.waiting, s, front=True)
-
-    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> None:
-        """Swap requests back in, first in line first, while their blocks fit; they go on where they stopped."""
-        while self.swapped and budget > 0:
-            group = self._pop_group(self.swapped)
-            if sum(map(num_seats, group)) > self._num_free_seats() or not self.block_manager.can_swap_in(group):
-                self.swapped.extendleft(reversed(group))
-                break
-            out.blocks_to_swap_in += self.block_manager.swap_in(group, self.host_block_manager)
-            self.stats.num_swapped_in += 1
-            for seq in group:
-                seq.status = SequenceStatus.RUNNING
-                self._enqueue(self.running, seq)
-                budget -= self._schedule_chunk(seq, budget, out) if budget > 0 else 0
-
     # ---- after the forward ----------------------------------------------------------------------------
-    def abort(self, seq: Sequence) -> None:
-        """Drop a request wherever it is, returning its blocks: it was aborted or failed, or it finished
-        (also while preempted, when the step that sampled its last token was in flight)."""
-        if seq in self.waiting:
-            self.waiting.remove(seq)
-        elif seq in self.running:
-            self.running.remove(seq)
-            self.block_manager.deallocate(seq)
-        elif seq in self.swapped:
-            self.swapped.remove(seq)
-            self.host_block_manager.deallocate(seq)
-        seq.status = SequenceStatus.FINISHED
-
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take in a step's sampled tokens (one per sequence that samples, in batch order): append each to its
-        sequence and finish those that are done. Returns the sequences that got a token. A sequence that
-        finished while the step was in flight (async scheduling, or an abort) has its extra token dropped."""
+        """Take in a step's sampled tokens (one per sequence that samples, n for a prompt that forks, in batch
+        order). Returns the sequences that got a token. A sequence that finished while the step was in flight
+        (async scheduling, or an abort) has its extra token dropped."""
         sampled = iter(token_ids)
         updated = []
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
-            token_id = next(sampled) if do_sample else None
-            fork_token_ids = [next(sampled) for _ in forks]
+            drafts = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
+            new_token_ids = [next(sampled) for _ in range(do_sample + len(forks) + len(drafts))]
             if seq.is_finished:
+                continue
+            if drafts:  # speculative decoding: a run of up to 1 + k tokens, then the rollback
+                updated += accept_tokens(self, seq, start, drafts, new_token_ids)
                 continue
             if seq.status == SequenceStatus.RUNNING:  # (a preempted one no longer holds these blocks)
                 self.block_manager.hash_blocks(seq, start, start + num_tokens)  # their KV is written now
@@ -305,32 +201,36 @@ class Scheduler:
             seq.num_output_placeholders -= 1
             for child in forks:
                 self._fork(seq, child, start + num_tokens)
-            for s, t in zip([seq, *forks], [token_id, *fork_token_ids]):
-                s.append_token(t)
-                self.stats.num_generated_tokens += 1
-                s.finish_reason = self._finish_reason(s, t)
-                if s.finish_reason is not None:
-                    self.abort(s)
+            for s, token_id in zip([seq, *forks], new_token_ids):
+                self._append_token(s, token_id)
                 updated.append(s)
         return updated
 
-    def _fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
-        """child, another sequence of parent's request, starts as a copy of it (early vLLM's fork): it shares
-        its KV blocks, wherever they are (none if it was preempted to recompute), and joins its queue."""
-        pool = {SequenceStatus.RUNNING: self.block_manager, SequenceStatus.SWAPPED: self.host_block_manager}
-        if parent.status in pool:
-            pool[parent.status].fork(parent, child)
-            child.num_computed_tokens = num_computed_tokens
-        child.status = parent.status
-        queue = {SequenceStatus.RUNNING: self.running, SequenceStatus.SWAPPED: self.swapped}.get(parent.status,
-                                                                                               self.waiting)
-        queue.insert(queue.index(parent) + child.index, child)  # the request's sequences stay side by side
+    def _append_token(self, seq: Sequence, token_id: int) -> None:
+        seq.append_token(token_id)
+        self.stats.num_generated_tokens += 1
+        seq.finish_reason = self._finish_reason(seq, token_id)
+        if seq.finish_reason is not None:
+            self.finish(seq)
 
     def _finish_reason(self, seq: Sequence, token_id: int) -> str | None:
         params = seq.sampling_params
-        # (Before min_tokens the model runner masks EOS and the stop tokens, so they never come up here.)
+        # (Before min_tokens the sampler rules out EOS and the stop tokens, so they never come up here.)
         if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
             return "stop"
         if seq.num_completion_tokens >= params.max_tokens:
             return "length"
         return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Take seq out of the scheduler for good, returning its blocks: it finished (also while preempted,
+        when the step that sampled its last token was in flight), hit a stop string, was aborted or failed."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        elif seq in self.running:
+            self.running.remove(seq)
+            self.block_manager.deallocate(seq)
+        elif seq in self.swapped:
+            self.swapped.remove(seq)
+            self.host_block_manager.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED

@@ -4,6 +4,7 @@ import torch
 
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.utils.math import cdiv
 
 
 class SequenceStatus(Enum):
@@ -14,14 +15,15 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One request: its tokens, where their KV lives, and how far the model has got."""
+    """One sequence of a request (engine/request.py; n > 1 gives it several): its tokens, where their KV
+    lives, and how far the model has got. The scheduler and the model runner see only sequences."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
                  priority: int = 0, request_id: str = "", index: int = 0):
         self.seq_id = seq_id  # ids count up in arrival order
         self.request_id = request_id  # the caller's name for it
         self.index = index  # which of the request's n sequences (SamplingParams.n) it is
-        self.group = [self]  # the request's n sequences (one list, shared by all of them)
+        self.group = [self]  # the request's n sequences: Request.seqs, one list shared by all of them
         self.priority = priority  # scheduling_policy="priority": lower values are served first
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
@@ -34,6 +36,7 @@ class Sequence:
         # Async scheduling: tokens a step in flight is sampling, not yet known. They count in len(seq), so the
         # next step is planned (blocks, positions) as if they were there (vLLM's num_output_placeholders).
         self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # draft tokens the next step verifies (docs/speculative.md)
         self.finish_reason: str | None = None
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
@@ -43,7 +46,7 @@ class Sequence:
             None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
-        return len(self.token_ids) + self.num_output_placeholders
+        return len(self.token_ids) + self.num_output_placeholders + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:
@@ -62,8 +65,15 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
+    def num_outputs_in_flight(self) -> int:
+        """Output tokens before the one the planned step samples that are not known yet: with async scheduling,
+        1 while the step before is still sampling it, else 0. (Read on a sequence that samples in the planned
+        step: its own placeholder counts from then on; a fork samples from its parent's row and has none.)"""
+        return max(self.num_output_placeholders - 1, 0)
+
+    @property
     def num_blocks(self) -> int:
-        return (len(self) + self.block_size - 1) // self.block_size
+        return cdiv(len(self), self.block_size)
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]

@@ -3,13 +3,17 @@ the KV pool after it. `nanoserve/tools/trace.py` prints and plots them. With tra
 from dataclasses import dataclass
 from time import perf_counter
 
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 
 @dataclass
 class ScheduledRequest:
-    request_id: int
+    """One sequence of the step's batch (a request with n > 1 has n of them)."""
+
+    request_id: str
+    seq_id: int
     num_tokens: int  # tokens computed this step
     start: int  # position of the first of them (num_computed_tokens before the step)
     sampled: bool  # the step reached the request's end, so a next token was sampled (async scheduling: maybe dropped)
@@ -25,7 +29,7 @@ class StepRecord:
     swapped_out: list[int]  # preempted, KV copied to host memory
     swapped_in: list[int]  # KV copied back from host memory
     finished: list[int]
-    waiting: list[int]  # the queues after the step, as request ids
+    waiting: list[int]  # the queues after the step (these lists hold sequence ids)
     running: list[int]
     swapped: list[int]
     num_used_blocks: int  # KV blocks held by running requests
@@ -34,21 +38,24 @@ class StepRecord:
     num_scheduled_tokens: int
     token_budget: int  # max_num_batched_tokens
     time: float  # wall clock (perf_counter()) when the step's output was taken in
+    seq_requests: dict[int, tuple[str, int]]  # every sequence named above: (request id, index among its n)
 
 
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
-    scheduled = [ScheduledRequest(seq.seq_id, n, start, sample, n == 1 and start >= seq.num_prompt_tokens)
-                 for seq, n, start, sample in zip(out.seqs, out.num_scheduled_tokens, out.num_computed_tokens,
-                                                  out.do_sample)]
+    scheduled = [ScheduledRequest(request_id=seq.request_id, seq_id=seq.seq_id, num_tokens=n, start=start,
+                                  sampled=sample, is_decode=out.is_decode(i))
+                 for i, (seq, n, start, sample) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
+                                                                 out.num_computed_tokens, out.do_sample))]
     decodes = [r.is_decode for r in scheduled]
     kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
+    named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *scheduler.swapped]
     return StepRecord(
-        step, kind, scheduled,
+        step=step, kind=kind, scheduled=scheduled,
         recomputed=[seq.seq_id for seq, s in zip(out.preempted, swapped) if not s],
         swapped_out=[seq.seq_id for seq, s in zip(out.preempted, swapped) if s],
         swapped_in=[seq.seq_id for seq in out.seqs if seq.block_table and seq.block_table[0] in swapped_in_blocks],
@@ -63,4 +70,5 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         num_scheduled_tokens=sum(out.num_scheduled_tokens),
         token_budget=scheduler.max_num_batched_tokens,
         time=perf_counter(),
+        seq_requests={seq.seq_id: (seq.request_id, seq.index) for seq in named},
     )

@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.utils.math import cdiv
+
 
 @dataclass
 class AttentionMetadata:
@@ -58,7 +60,7 @@ def plan_torch_attention(meta: AttentionMetadata, block_size: int) -> TorchAtten
         while n < len(decodes) and (n + 1) * context_lens[decodes[n]] <= DECODE_GROUP_TOKENS:
             n += 1
         seqs, decodes = decodes[:n], decodes[n:]
-        num_blocks = -(-context_lens[seqs[-1]] // block_size)
+        num_blocks = cdiv(context_lens[seqs[-1]], block_size)
         block_ids = meta.block_tables[seqs, :num_blocks].flatten().clamp(min=0)  # -1 padding: masked out
         mask = torch.arange(num_blocks * block_size, device=dev) < meta.context_lens[seqs, None]
         rows = torch.tensor([starts[i] for i in seqs], device=dev)  # each sequence's row in the flat batch
@@ -68,7 +70,7 @@ def plan_torch_attention(meta: AttentionMetadata, block_size: int) -> TorchAtten
             # Causal, aligned bottom-right: the new tokens come after context_len - q_len cached ones.
             mask = None if q_len == context_len else torch.ones(
                 q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len)
-            block_ids = meta.block_tables[i, : -(-context_len // block_size)]
+            block_ids = meta.block_tables[i, : cdiv(context_len, block_size)]
             plan.prefills.append((start, start + q_len, block_ids, context_len, mask))
     return plan
 

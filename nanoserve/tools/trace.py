@@ -10,6 +10,7 @@ In Python: `llm = LLM(..., trace=True)`, generate, then `print_trace(llm.trace)`
 import argparse
 import os
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,17 +41,20 @@ MARKERS = {  # event: (marker, legend label)
 
 
 def default_names(trace: list[StepRecord]) -> dict[int, str]:
-    ids = sorted({r for rec in trace for r in [*rec.waiting, *rec.running, *rec.swapped, *rec.finished]})
-    return {i: f"R{i}" for i in ids}
+    """A row name per sequence id: its request id, with the sequence's index if the request has n > 1."""
+    seqs = {seq_id: place for rec in trace for seq_id, place in rec.seq_requests.items()}
+    num_seqs = Counter(request_id for request_id, _ in seqs.values())
+    return {seq_id: request_id if num_seqs[request_id] == 1 else f"{request_id}.{index}"
+            for seq_id, (request_id, index) in seqs.items()}
 
 
 def request_states(trace: list[StepRecord]) -> dict[int, list[str]]:
-    """One state per request per step, from the records (a preempted request stays "preempted" until its
+    """One state per sequence per step, from the records (a preempted request stays "preempted" until its
     recomputed prefill reaches its end again)."""
     states: dict[int, list[str]] = {}
     recomputing: set[int] = set()
     for t, rec in enumerate(trace):
-        scheduled = {r.request_id: r for r in rec.scheduled}
+        scheduled = {r.seq_id: r for r in rec.scheduled}
         recomputing |= set(rec.recomputed) - scheduled.keys()
         for rid in [*rec.waiting, *rec.running, *rec.swapped, *rec.finished]:
             states.setdefault(rid, ["not arrived"] * t)
@@ -79,9 +83,9 @@ def token_labels(trace: list[StepRecord]) -> list[dict[int, str]]:
     for rec in trace:
         step = {}
         for r in rec.scheduled:
-            at = f"@{r.start}" if r.start != computed.get(r.request_id, 0) else ""
-            step[r.request_id] = f"{r.num_tokens}{at}{'' if r.sampled else '*'}"
-            computed[r.request_id] = r.start + r.num_tokens
+            at = f"@{r.start}" if r.start != computed.get(r.seq_id, 0) else ""
+            step[r.seq_id] = f"{r.num_tokens}{at}{'' if r.sampled else '*'}"
+            computed[r.seq_id] = r.start + r.num_tokens
         computed.update((rid, 0) for rid in rec.recomputed)
         labels.append(step)
     return labels
@@ -236,25 +240,24 @@ SCENARIOS = {
 def run_scenario(name: str, model: str | None = None,
                  on_step: Callable[[LLM], None] | None = None) -> tuple[LLM, dict[int, str]]:
     """Run a scenario step by step (requests arrive at their step), with blocks of 4 tokens on the CPU so the
-    pictures are the same for every model. Returns the engine (its trace) and the request names by id."""
+    pictures are the same for every model. Returns the engine (its trace) and the row names by sequence id."""
     scenario = SCENARIOS[name]
     llm = LLM(model, trace=True, block_size=4, max_model_len=128, device="cpu", **scenario.options)
     rng = random.Random(0)
     vocab = min(llm.engine.config.hf_config.vocab_size, 1000)
     system_prompt = [rng.randrange(3, vocab) for _ in range(32)]
-    pending, names = list(scenario.requests), {}
+    pending = list(scenario.requests)
     while pending or llm.engine.has_unfinished_requests():
         while pending and (pending[0].arrival <= len(llm.trace) or not llm.engine.has_unfinished_requests()):
             r = pending.pop(0)
             prompt = system_prompt[:r.shared_prefix] + [rng.randrange(3, vocab) for _ in
                                                          range(r.prompt_len - r.shared_prefix)]
             params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-            llm.engine.add_request(r.name, prompt, params, r.priority)
-            names[len(names)] = r.name  # a fresh engine numbers its sequences 0, 1, 2... in arrival order
+            llm.engine.add_request(r.name, prompt, params, r.priority)  # the request id names its row
         llm.engine.step()
         if on_step:
             on_step(llm)
-    return llm, names
+    return llm, default_names(llm.trace)
 
 
 DEFAULT_OUT = "trace-out"  # in .gitignore: a run in the repository leaves nothing to commit

@@ -6,6 +6,13 @@ a + 1 tokens: the a drafts accepted and one more from the target. The KV of the 
 written but is wrong for what follows, so num_computed_tokens rolls back over them.
 """
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from nanoserve.engine.sequence import Sequence
+from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
+
+if TYPE_CHECKING:  # (the scheduler imports this module)
+    from nanoserve.engine.scheduler import Scheduler
 
 
 def num_spec_tokens_allowed(k: int, num_output_tokens: int, max_tokens: int) -> int:
@@ -56,3 +63,55 @@ class SpecDecodingStats:
     def mean_acceptance_length(self) -> float:
         """Tokens emitted per verification: the accepted drafts plus the target's own token (1: no gain)."""
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def accept_tokens(scheduler: "Scheduler", seq: Sequence, start: int, drafts: list[int],
+                  row: list[int]) -> list[Sequence]:
+    """Take in seq's verification (Scheduler.postprocess): row is the rejection sampler's 1 + k outputs, the
+    tokens it emits then PLACEHOLDER_TOKEN_IDs. num_computed_tokens rolls back over the rejected drafts; the
+    emitted tokens are appended one at a time, each checked for EOS, stop tokens and max_tokens (the rest
+    dropped); only blocks full of verified tokens are hashed; blocks past them go back. Returns seq once per
+    token appended."""
+    emitted = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
+    seq.num_output_placeholders -= 1
+    seq.num_computed_tokens -= num_rejected_tokens(len(drafts), len(emitted))
+    seq.spec_token_ids = []
+    scheduler.stats.spec_decoding.observe(len(drafts), len(emitted) - 1)
+    for token_id in emitted:
+        seq.append_token(token_id)
+        scheduler.stats.num_generated_tokens += 1
+        seq.finish_reason = scheduler._finish_reason(seq, token_id)
+        if seq.finish_reason is not None:
+            break
+    # Verified KV: the newest token and the accepted drafts (the last emitted token has none yet).
+    verified = min(seq.num_computed_tokens, len(seq.token_ids))
+    scheduler.block_manager.hash_blocks(seq, start, verified)
+    if seq.finish_reason is not None:
+        scheduler.finish(seq)
+    else:
+        scheduler.block_manager.free_tail(seq, verified)
+    return [seq] * (len(seq.token_ids) - start - 1)
+
+
+class DraftRow:
+    """Row j of a verification, as the sampler sees it: seq with its first j drafts counted as output tokens
+    already (for penalties and min_tokens); everything else is seq's."""
+
+    def __init__(self, seq: Sequence, j: int):
+        self.seq, self.j = seq, j
+
+    def __getattr__(self, name: str):
+        return getattr(self.seq, name)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.seq.completion_token_ids + self.seq.spec_token_ids[: self.j]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.seq.num_completion_tokens + self.j
+
+
+def draft_rows(seq: Sequence) -> list:
+    """The sampling rows of seq: one, or with k drafts 1 + k (row j after the first j drafts)."""
+    return [DraftRow(seq, j) for j in range(len(seq.spec_token_ids) + 1)] if seq.spec_token_ids else [seq]

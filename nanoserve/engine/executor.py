@@ -1,4 +1,5 @@
-"""Tensor parallelism's processes: rank 0 is the engine; ranks 1..N-1 are workers that mirror its ModelRunner.
+"""The executor (vLLM's name) owns the ranks: rank 0's ModelRunner, in the engine's process, and with tensor
+parallelism the worker processes of ranks 1..N-1, each with a ModelRunner of its own.
 
 Every rank holds 1/N of each layer, and the ranks meet in the collectives inside the forward (torch.distributed:
 gloo on CPU, NCCL on CUDA). Only rank 0 schedules and samples. Each step it sends every worker, through a pipe,
@@ -17,6 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.config import Config
+from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler_output import SchedulerOutput
 
 # A collective waiting this long for a rank that hangs raises (one whose peer has died raises at once); it must
 # exceed how far the ranks can drift apart, e.g. in loading their weights.
@@ -35,8 +39,6 @@ def init_process_group(config: Config, rank: int, port: int) -> None:
 
 def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
     """A worker's life: join the group, build its slice of the model, then run what rank 0 sends."""
-    from nanoserve.engine.model_runner import ModelRunner  # here: model_runner imports this file
-
     init_process_group(config, rank, port)
     runner = ModelRunner(config, rank)
     try:
@@ -62,15 +64,27 @@ def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int)
     torch.set_num_threads(num_threads)  # as before init_process_group
 
 
-class Workers:
-    """Rank 0's handle on ranks 1..N-1: starts them (spawn), sends them each step, stops them."""
+class Executor:
+    """Rank 0's handle on every rank: builds its own ModelRunner (`model_runner`) and, with
+    tensor_parallel_size > 1, starts ranks 1..N-1 (spawn) first; runs each step on all of them; stops them."""
 
     def __init__(self, config: Config):
+        self.procs: list[mp.Process] = []
+        self.conns: list[Connection] = []
+        self.shutdown = lambda: None  # with one rank there is nothing to stop
+        if config.tensor_parallel_size > 1:
+            self._start_workers(config)
+        try:
+            self.model_runner = ModelRunner(config)
+        except BaseException:
+            self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
+            raise
+
+    def _start_workers(self, config: Config) -> None:
         with socket.socket() as s:  # a free port for the group to meet on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
-        self.procs, self.conns = [], []
         for rank in range(1, config.tensor_parallel_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(config, rank, port, reader), daemon=True)
@@ -82,14 +96,28 @@ class Workers:
         self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
         init_process_group(config, 0, port)
 
-    def call(self, runner, method: str, args: tuple):
-        """Have every worker call runner.method(*args) on its own runner, then call it here."""
+    def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
+        """One step on every rank: the KV block copies, then the forward, each rank on its slice; rank 0 fills
+        in the placeholders first and samples after. Returns a token id per sampling row, as a device tensor
+        (no wait for it here)."""
+        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # (TP: no message otherwise)
+            self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        self.model_runner.fill_placeholders(inputs)
+        if inputs is None:
+            return torch.empty(0, dtype=torch.int64)
+        logits = self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        return self.model_runner.sample(logits, inputs)
+
+    def call(self, method: str, *args):
+        """model_runner.method(*args), after sending every worker the same call for its own runner."""
+        if not self.conns:
+            return getattr(self.model_runner, method)(*args)
         buf = io.BytesIO()
         torch.save((method, args), buf)
         try:
             for conn in self.conns:
                 conn.send_bytes(buf.getbuffer())
-            return getattr(runner, method)(*args)
+            return getattr(self.model_runner, method)(*args)
         except (OSError, RuntimeError):  # a broken pipe or a failed collective: most often a dead worker
             self.check(timeout=1.0)  # if so, say which (giving a dying one a second to be reaped)
             raise

@@ -1,0 +1,171 @@
+"""A step's plan (SchedulerOutput) -> the tensors the model and the sampler take (ModelInput), built on the host.
+
+With async scheduling this runs while the step before is on the GPU, so it reads only the plan: a token that
+step is still sampling is a placeholder here (input id 0, output id -1), filled in on the device later.
+Nothing here needs a model: tests/test_input_batch.py builds inputs from a hand-made plan.
+"""
+from dataclasses import dataclass
+from itertools import accumulate
+
+import numpy as np
+import torch
+
+from nanoserve.config import Config
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.accounting import draft_rows
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
+from nanoserve.utils.math import cdiv
+
+LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
+
+
+@dataclass
+class ModelInput:
+    """One step's batch as tensors. Rows of logits_rows: first one per sequence that samples (a request's
+    n > 1 forks repeat its row), in `sample_seq_ids` order; then the prompt-logprobs rows."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    logits_rows: torch.Tensor  # the rows of the flat batch whose logits are computed
+    sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
+    sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
+    placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
+    placeholder_seq_ids: list[int]  # ...for these sequences
+    logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
+    spec_decode_tokens: dict[int, list[int]]  # seq_id -> drafts: its 1 + k rows are verified (spec_decode/verify.py)
+
+
+def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    host = torch.as_tensor(data, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()  # pinned host memory lets the copy overlap with GPU work
+    return host.to(device, non_blocking=True)
+
+
+@dataclass
+class InputBuilder:
+    """Builds each step's ModelInput for one engine (rank 0: the workers get the tensors)."""
+
+    block_size: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    device: torch.device
+
+    @classmethod
+    def from_config(cls, config: Config) -> "InputBuilder":
+        return cls(block_size=config.block_size, vocab_size=config.hf_config.vocab_size,
+                   eos_token_ids=config.eos_token_ids, device=torch.device(config.device))
+
+    def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
+        """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
+        the rows whose logits are needed: the last one of each sequence that samples."""
+        if not out.seqs:  # everyone was preempted this step
+            return None
+        input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows = [], [], [], [], [], []
+        placeholder_rows, placeholder_seq_ids = [], []
+        bs = self.block_size
+        for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
+                                                            out.num_scheduled_tokens, out.do_sample, out.forks):
+            end = start + num_tokens
+            input_ids.extend(seq.token_ids[start:end] + seq.spec_token_ids)  # drafts: speculative decoding
+            if end > len(seq.token_ids) + len(seq.spec_token_ids):  # async scheduling: a placeholder (filled later)
+                placeholder_rows.append(len(input_ids))
+                placeholder_seq_ids.append(seq.seq_id)
+                input_ids.append(0)
+            positions.extend(range(start, end))
+            q_lens.append(num_tokens)
+            context_lens.append(end)
+            # Token p goes to slot block_table[p // bs] * bs + p % bs: one range per block it touches.
+            for i in range(start // bs, cdiv(end, bs)):
+                base = (seq.block_table[i] - i) * bs
+                slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
+            if do_sample:
+                # The rows of its newest token and its drafts; n > 1: the last row again for every fork.
+                logits_rows += [*range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))]
+                logits_rows += [len(input_ids) - 1] * len(forks)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64),
+            block_tables=self._padded([seq.block_table for seq in out.seqs], -1, torch.int32),
+            context_lens=self._tensor(context_lens, torch.int32),
+            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            max_seqlen_q=max(q_lens),
+            max_seqlen_k=max(context_lens),
+        )
+        samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks) if do_sample
+                    for s in [*draft_rows(seq), *forks]]
+        # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
+        logprobs = [(seq, None, row) for row, seq in enumerate(samplers) if seq.logprobs is not None]
+        prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
+        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(samplers))]
+        return ModelInput(
+            input_ids=self._tensor(input_ids, torch.int64), positions=self._tensor(positions, torch.int64),
+            meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
+            sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
+            placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
+            spec_decode_tokens=out.scheduled_spec_decode_tokens)
+
+    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
+        params = [seq.sampling_params for seq in seqs]
+
+        def column(values: list, unused, dtype: torch.dtype) -> torch.Tensor | None:
+            return None if all(v == unused for v in values) else self._tensor(values, dtype)
+
+        penalties = None
+        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
+            penalties = PenaltyMetadata(
+                prompt_token_ids=self._padded([seq.prompt_token_ids for seq in seqs], self.vocab_size),
+                output_token_ids=self._padded([seq.completion_token_ids + [-1] * seq.num_outputs_in_flight
+                                               for seq in seqs], self.vocab_size),
+                presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
+                frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
+                repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
+        vocab_size = self.vocab_size
+        return SamplingMetadata(
+            temperatures=column([p.temperature for p in params], 0.0, torch.float32),
+            top_ks=column([vocab_size if p.top_k == -1 else p.top_k for p in params], vocab_size, torch.int64),
+            top_ps=column([p.top_p for p in params], 1.0, torch.float32),
+            min_ps=column([p.min_p for p in params], 0.0, torch.float32),
+            generators=[seq.generator for seq in seqs],
+            penalties=penalties,
+            min_tokens_mask=self.min_tokens_mask(seqs),
+        )
+
+    def min_tokens_mask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, token ids) the sampler rules out: EOS and the stop tokens, for a request that has fewer than
+        min_tokens output tokens before this one (vLLM's MinTokensLogitsProcessor)."""
+        rows, token_ids = [], []
+        for row, seq in enumerate(seqs):
+            p = seq.sampling_params
+            if seq.num_completion_tokens + seq.num_outputs_in_flight < p.min_tokens:
+                stop_ids = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
+                rows += [row] * len(stop_ids)
+                token_ids += stop_ids
+        return (self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64)) if rows else None
+
+    def prompt_logprobs_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
+        """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of
+        position p scores token p + 1), and where each result goes: (sequence, p + 1)."""
+        rows, places, offset = [], [], 0
+        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+            if seq.prompt_logprobs is not None:
+                end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+                rows += range(offset, offset + end - start)
+                places += [(seq, p + 1) for p in range(start, end)]
+            offset += num_tokens
+        return rows, places
+
+    def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        return to_device(data, dtype, self.device)
+
+    def _padded(self, rows: list[list[int]], pad: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """Rows of unequal length as one tensor, padded with `pad` (numpy fills rows far faster than
+        torch.tensor converts a list of lists: it matters for 256 block tables a step)."""
+        table = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
+        for i, row in enumerate(rows):
+            table[i, : len(row)] = row
+        return self._tensor(table, dtype)

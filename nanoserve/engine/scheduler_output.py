@@ -1,0 +1,42 @@
+from dataclasses import dataclass, field
+
+from nanoserve.engine.sequence import Sequence
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
+
+    seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens[i] on; it samples a next
+    token only if that reaches its end (do_sample[i]). The block copies run before the forward, swap-outs first
+    (a block they free may be a copy's destination). A step never swaps both ways (swap-ins wait for a step
+    that preempted nobody), and a sequence that got a copy this step is never preempted in it.
+    """
+
+    seqs: list[Sequence] = field(default_factory=list)
+    num_scheduled_tokens: list[int] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)  # where each chunk starts
+    do_sample: list[bool] = field(default_factory=list)
+    forks: list[list[Sequence]] = field(default_factory=list)  # sampled from the same row as seqs[i], forked
+    preempted: list[Sequence] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
+    is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_scheduled_tokens.append(num_tokens)
+        self.num_computed_tokens.append(seq.num_computed_tokens)
+        self.do_sample.append(seq.num_computed_tokens + num_tokens == len(seq))
+        # Parallel sampling (n > 1): the first token is sampled n times, and the request's other sequences
+        # fork from this one with theirs.
+        prompt_done = self.do_sample[-1] and seq.num_computed_tokens + num_tokens == seq.num_prompt_tokens
+        self.forks.append(seq.group[1:] if prompt_done else [])
+        if seq.spec_token_ids:  # speculative decoding: its newest token and these drafts, 1 + k in all
+            self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
+
+    def is_decode(self, i: int) -> bool:
+        """Row i computes just its sequence's newest token, one the model generated (else: prefill work)."""
+        return self.num_scheduled_tokens[i] == 1 and self.num_computed_tokens[i] >= self.seqs[i].num_prompt_tokens
