@@ -149,9 +149,12 @@ class BlockManager:
 
     def free_tail(self, seq: Sequence, num_tokens: int) -> None:
         """Give back seq's blocks past its first num_tokens tokens: after a verification, those that held only
-        rejected draft tokens (never hashed: nothing in them was verified)."""
-        self._free(seq.block_table[cdiv(num_tokens, self.block_size) :])
-        del seq.block_table[cdiv(num_tokens, self.block_size) :]
+        rejected drafts. Never hashed (nothing in them was verified), they go to the front of the free queue."""
+        keep = cdiv(num_tokens, self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        for block_id in tail:
+            self.blocks[block_id].ref_count -= 1
+        self.free_block_ids.extendleft(reversed([b for b in tail if self.blocks[b].ref_count == 0]))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child starts as a copy of parent: it shares all its blocks (one more reference each)."""

@@ -6,13 +6,9 @@ a + 1 tokens: the a drafts accepted and one more from the target. The KV of the 
 written but is wrong for what follows, so num_computed_tokens rolls back over them.
 """
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
-
-if TYPE_CHECKING:  # (the scheduler imports this module)
-    from nanoserve.engine.scheduler import Scheduler
 
 
 def num_spec_tokens_allowed(k: int, num_output_tokens: int, max_tokens: int) -> int:
@@ -65,13 +61,13 @@ class SpecDecodingStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
-def accept_tokens(scheduler: "Scheduler", seq: Sequence, start: int, drafts: list[int],
+def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
                   row: list[int]) -> list[Sequence]:
-    """Take in seq's verification (Scheduler.postprocess): row is the rejection sampler's 1 + k outputs, the
-    tokens it emits then PLACEHOLDER_TOKEN_IDs. num_computed_tokens rolls back over the rejected drafts; the
-    emitted tokens are appended one at a time, each checked for EOS, stop tokens and max_tokens (the rest
-    dropped); only blocks full of verified tokens are hashed; blocks past them go back. Returns seq once per
-    token appended."""
+    """Take in seq's verification for the Scheduler (its postprocess, which imports this module, so untyped):
+    row holds the rejection sampler's 1 + k outputs, the emitted tokens then PLACEHOLDER_TOKEN_IDs.
+    num_computed_tokens rolls back over the rejected drafts; the emitted tokens are appended one at a time,
+    each checked for EOS, stop tokens and max_tokens (the rest dropped); only blocks full of verified tokens
+    are hashed; the blocks past them go back. Returns seq once per token appended."""
     emitted = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
     seq.num_output_placeholders -= 1
     seq.num_computed_tokens -= num_rejected_tokens(len(drafts), len(emitted))
