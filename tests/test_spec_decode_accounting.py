@@ -6,7 +6,12 @@ import pytest
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, num_rejected_tokens, num_spec_tokens_allowed
+from nanoserve.engine.spec_decode.accounting import (
+    SpecDecodingStats,
+    free_tail,
+    num_rejected_tokens,
+    num_spec_tokens_allowed,
+)
 from nanoserve.sampling_params import SamplingParams
 
 BS = 4
@@ -43,7 +48,7 @@ def verify(bm: BlockManager, s: Sequence, drafts: list[int], emitted: list[int],
     s.token_ids += emitted
     s.num_computed_tokens -= num_rejected_tokens(len(drafts), len(emitted))
     bm.hash_blocks(s, start, s.num_computed_tokens)  # only blocks full of verified tokens
-    bm.free_tail(s, s.num_computed_tokens)  # blocks past the verified KV held only rejected drafts
+    free_tail(bm, s, s.num_computed_tokens)  # blocks past the verified KV held only rejected drafts
     return copies
 
 

@@ -4,7 +4,6 @@ import numpy as np
 import xxhash
 
 from nanoserve.engine.sequence import Sequence
-from nanoserve.utils.math import cdiv
 
 
 def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -119,15 +118,13 @@ class BlockManager:
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
-    def _writes_shared_block(self, seq: Sequence) -> bool:
-        """Do seq's uncomputed tokens land in its last block while a forked sibling shares that block?"""
-        return (bool(seq.block_table) and self.blocks[seq.block_table[-1]].ref_count > 1
-                and seq.num_computed_tokens < len(seq.block_table) * self.block_size)
-
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks seq takes before this step writes its uncomputed tokens: one per block they spill into
-        (1 + k tokens with k draft tokens may span several), plus a private copy of a shared last block."""
-        return seq.num_blocks - len(seq.block_table) + self._writes_shared_block(seq)
+        (1 + k tokens with k drafts may span several), plus a private copy of a last block a forked sibling
+        shares, if they land in it (copy-on-write)."""
+        shared = bool(seq.block_table) and self.blocks[seq.block_table[-1]].ref_count > 1
+        lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
+        return seq.num_blocks - len(seq.block_table) + (shared and lands_in_last)
 
     def can_append(self, seq: Sequence) -> bool:
         """Can seq's uncomputed tokens get their slots?"""
@@ -137,7 +134,7 @@ class BlockManager:
         """Reserve slots for the tokens this step computes (call only after can_append). Returns the
         (source, destination) block pair to copy first when the last block was shared, else []."""
         copies = []
-        if self._writes_shared_block(seq):
+        if self.num_new_blocks(seq) > seq.num_blocks - len(seq.block_table):  # the last block is shared
             # Copy-on-write: the partly filled last block is shared with a forked sibling, which must not
             # see these tokens. Write into a private copy; the siblings keep the original.
             src = seq.block_table[-1]
@@ -146,15 +143,6 @@ class BlockManager:
             copies.append((src, seq.block_table[-1]))
         seq.block_table += [self._allocate_new_block() for _ in range(seq.num_blocks - len(seq.block_table))]
         return copies
-
-    def free_tail(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past its first num_tokens tokens: after a verification, those that held only
-        rejected drafts. Never hashed (nothing in them was verified), they go to the front of the free queue."""
-        keep = cdiv(num_tokens, self.block_size)
-        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
-        for block_id in tail:
-            self.blocks[block_id].ref_count -= 1
-        self.free_block_ids.extendleft(reversed([b for b in tail if self.blocks[b].ref_count == 0]))
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child starts as a copy of parent: it shares all its blocks (one more reference each)."""

@@ -43,9 +43,8 @@ class Sampler(nn.Module):
         """A token id per row. newest_token_ids: each row's last input token, the newest output token when the
         row decodes (the penalties count it; with async scheduling the plan could not)."""
         greedy, probs = self.process(logits, sampling, newest_token_ids)
-        if probs is None:
-            return greedy
-        return torch.where(sampling.temperatures == 0, greedy, draw(probs, sampling.generators))
+        return greedy if probs is None else torch.where(sampling.temperatures == 0, greedy,
+                                                        draw(probs, sampling.generators))
 
     def process(self, logits: torch.Tensor, sampling: SamplingMetadata, newest_token_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:

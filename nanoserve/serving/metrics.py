@@ -55,8 +55,9 @@ class EngineCollector(Collector):
             family = CounterMetricFamily(f"nanoserve:{name}", doc, labels=["model_name"])
             family.add_metric(self.labels, value)
             yield family
-        per_pos = CounterMetricFamily("nanoserve:spec_decode_num_accepted_tokens_per_pos",
-                                      "Draft tokens accepted at each position", labels=["model_name", "position"])
+        name = "spec_decode_num_accepted_tokens_per_pos"  # one series per draft position
+        per_pos = CounterMetricFamily(f"nanoserve:{name}", "Draft tokens accepted at each position",
+                                      labels=["model_name", "position"])
         for i, value in enumerate(stats.spec_decoding.num_accepted_tokens_per_pos):
             per_pos.add_metric([*self.labels, str(i)], value)
         yield per_pos

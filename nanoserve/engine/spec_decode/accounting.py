@@ -7,8 +7,10 @@ written but is wrong for what follows, so num_computed_tokens rolls back over th
 """
 from dataclasses import dataclass, field
 
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from nanoserve.utils.math import cdiv
 
 
 def num_spec_tokens_allowed(k: int, num_output_tokens: int, max_tokens: int) -> int:
@@ -61,6 +63,17 @@ class SpecDecodingStats:
         return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def free_tail(block_manager: BlockManager, seq: Sequence, num_tokens: int) -> None:
+    """Give back seq's blocks past its first num_tokens tokens: after a verification, those that held only
+    rejected drafts. Never hashed (nothing in them was verified), they go to the front of the free queue, to
+    be reused before any block the prefix cache can still hit."""
+    keep = cdiv(num_tokens, block_manager.block_size)
+    tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+    for block_id in tail:
+        block_manager.blocks[block_id].ref_count -= 1
+    block_manager.free_block_ids.extendleft(reversed([b for b in tail if block_manager.blocks[b].ref_count == 0]))
+
+
 def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
                   row: list[int]) -> list[Sequence]:
     """Take in seq's verification for the Scheduler (its postprocess, which imports this module, so untyped):
@@ -85,7 +98,7 @@ def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
     if seq.finish_reason is not None:
         scheduler.finish(seq)
     else:
-        scheduler.block_manager.free_tail(seq, verified)
+        free_tail(scheduler.block_manager, seq, verified)
     return [seq] * (len(seq.token_ids) - start - 1)
 
 
