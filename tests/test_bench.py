@@ -80,3 +80,11 @@ def test_shared_prefix_with_and_without_prefix_cache(config_only, tmp_path):
     assert NANOSERVE_FIGURES <= on.keys() and NANOSERVE_FIGURES <= off.keys()
     assert on["cached_prompt_tokens"] > 0 and off["cached_prompt_tokens"] == 0
     assert report["ratios"]["prefix cache on / off"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="this interpreter has vLLM")
+def test_vllm_peer_skipped_without_vllm(config_only, tmp_path):
+    """vLLM is optional: an interpreter without it skips the peer with the reason, and nanoserve still runs."""
+    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "vllm", "--vllm-python", sys.executable)
+    assert "cannot import vllm" in report["skipped"]["vllm"] and "--vllm-python" in report["skipped"]["vllm"]
+    assert list(report["results"]) == ["nanoserve auto"] and report["ratios"] == {}

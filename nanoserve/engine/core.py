@@ -92,9 +92,10 @@ class EngineCore:
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
         vocab_size = self.config.hf_config.vocab_size
-        bad = [t for t in token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"prompt: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
+        for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= t < vocab_size]
+            if bad:  # (an id past the logits would crash the step that masks or matches it)
+                raise ValueError(f"{name}: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab_size:
                 raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
@@ -200,8 +201,7 @@ class EngineCore:
     def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:
         """seq's num_new newest tokens (more than 1 with speculative decoding) as text; a stop string in that
         text finishes seq there, and the tokens after it are dropped."""
-        start, params = len(seq.token_ids) - num_new, request.sampling_params
-        token_id = seq.token_ids[-1]
+        start, token_id, params = len(seq.token_ids) - num_new, seq.token_ids[-1], request.sampling_params
         stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
         detokenizer, new_text = request.detokenizers[seq.index], ""
         if detokenizer is not None:
@@ -214,12 +214,11 @@ class EngineCore:
                     break
             new_text = detokenizer.get_delta(seq.is_finished)
         # (The model runner wrote the tokens' logprobs when it sampled them; a later step may be ahead.)
-        n = start - seq.num_prompt_tokens
-        logprobs = None if seq.logprobs is None else seq.logprobs[n : n + len(seq.token_ids) - start]
+        first = start - seq.num_prompt_tokens
+        logprobs = None if seq.logprobs is None else seq.logprobs[first : seq.num_completion_tokens]
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=seq.token_ids[start:], new_text=new_text,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason, stop_reason=stop_reason,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
             num_cached_tokens=request.first_seq.num_cached_tokens, new_logprobs=logprobs,
             prompt_logprobs=request.first_seq.prompt_logprobs, index=seq.index)
 
