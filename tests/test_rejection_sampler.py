@@ -2,7 +2,7 @@
 import torch
 
 from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
-from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampler import Sampler, SamplingMetadata
 
 V = 8
 N = 100_000  # trials of one request each, all in one call
@@ -140,7 +140,9 @@ def test_a_seeded_request_without_drafts_draws_what_the_sampler_draws():
     torch.manual_seed(0)
     logits = torch.randn(64, V)
     temperatures = torch.full((64,), 0.7)
-    plain = Sampler()(logits, temperatures, None, None, [torch.Generator().manual_seed(i) for i in range(64)])
+    sampling = SamplingMetadata(temperatures=temperatures, top_ks=None, top_ps=None, min_ps=None,
+                                generators=[torch.Generator().manual_seed(i) for i in range(64)])
+    plain = Sampler()(logits, sampling)
     probs = (logits / temperatures[:, None]).softmax(dim=-1)
     verified = RejectionSampler()([[]] * 64, logits.argmax(dim=-1), probs, None,  # None: no request is greedy
                                   [torch.Generator().manual_seed(i) for i in range(64)])

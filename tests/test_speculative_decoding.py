@@ -211,3 +211,16 @@ def test_random_accept_reject_keeps_the_books(tiny_models, seed):
     stats = scheduler.stats.spec_decoding
     assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
     assert scheduler.block_manager.num_free_blocks == num_blocks
+
+
+def test_tensor_parallel(tiny_models):
+    """Two ranks: the verify step's 1 + k rows run on both, rank 0 verifies; the same tokens as one rank."""
+    prompts = repetitive_prompts(4, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    one = LLM(tiny_models["qwen3"], block_size=4)
+    want = completions(one.generate(prompts, greedy, use_tqdm=False))
+    del one
+    llm = LLM(tiny_models["qwen3"], block_size=4, tensor_parallel_size=2, speculative_config=ngram(3))
+    assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == want
+    assert llm.stats.spec_decoding.num_accepted_tokens > 0
+    del llm
