@@ -3,6 +3,8 @@ import numbers
 from dataclasses import dataclass, field
 from enum import Enum
 
+from nanoserve.structured_outputs import StructuredOutputsParams
+
 
 class RequestOutputKind(Enum):
     """What each streamed RequestOutput carries (vLLM's names)."""
@@ -34,6 +36,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None  # the output matches a schema, regex, choice, grammar
 
     def __post_init__(self) -> None:
         for name, (kind, interval) in LIMITS.items():
@@ -58,6 +61,12 @@ class SamplingParams:
         self.stop = list(self.stop)
         if "" in self.stop:
             raise ValueError("stop: an empty string would stop at once")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError("structured_outputs must be a StructuredOutputsParams, "
+                                 f"got {self.structured_outputs!r}")
+            if self.min_tokens:  # a complete output allows only EOS, which min_tokens rules out: nothing is left
+                raise ValueError("min_tokens: must be 0 with structured_outputs (the grammar decides where it ends)")
 
 
 # Every number a request may hold, in interval notation ("inf" is never reached, so floats must be finite).

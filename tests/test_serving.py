@@ -4,6 +4,7 @@ One server for the module (conftest's demo model, started through `python -m nan
 key), stopped by SIGTERM in the last test. Greedy answers are compared with the offline `LLM` on the same model.
 """
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -28,7 +29,8 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "smollm2"
 MAX_MODEL_LEN = 512
 SERVER_FLAGS = ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--cpu-kvcache-space", "0.25",
-                "--shutdown-timeout", "1", "--uvicorn-log-level", "warning"]
+                "--shutdown-timeout", "1", "--uvicorn-log-level", "warning",
+                "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -536,6 +538,93 @@ def test_api_key(server):
         wrong.models.list()
     assert httpx.get(f"{server.url}/health").status_code == 200  # health and metrics stay open
     assert httpx.get(f"{server.url}/metrics").status_code == 200
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}}}
+WEATHER_QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def check_tool_calls(choice, names: set[str]) -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_tool_choice_required_and_named(client):
+    pytest.importorskip("xgrammar")
+    response = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER, TIME],
+                                              tool_choice="required", max_tokens=120, temperature=0)
+    check_tool_calls(response.choices[0], {"get_weather", "get_time"})
+    response = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER, TIME], max_tokens=60, temperature=0.8, seed=1,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    check_tool_calls(response.choices[0], {"get_weather"})
+
+
+def test_tool_choice_auto_gives_text_or_a_tool_call(client):
+    response = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER],
+                                              max_tokens=40, temperature=0)
+    choice = response.choices[0]
+    if choice.message.tool_calls:
+        check_tool_calls(choice, {"get_weather"})
+    else:
+        assert choice.finish_reason in ("stop", "length") and choice.message.content
+
+
+def test_hermes_parser():
+    from nanoserve.serving.structured import parse_hermes
+
+    text = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call><tool_call>{"name": "g"}</tool_call>'
+    assert parse_hermes(text) == ([("f", {"x": 1}), ("g", {})], "Sure.")
+    assert parse_hermes("no calls") == ([], "no calls")
+    assert parse_hermes("<tool_call>{broken</tool_call>") == ([], "<tool_call>{broken</tool_call>")
+
+
+def test_response_format_and_structured_outputs(client):
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("xgrammar")
+    schema = WEATHER["function"]["parameters"]
+    response = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_QUESTION, max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "weather", "schema": schema}})
+    assert response.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+    response = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"})
+    assert isinstance(json.loads(response.choices[0].message.content), dict)
+    response = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=10, temperature=0,
+                                         extra_body={"structured_outputs": {"choice": ["Paris", "Rome"]}})
+    assert response.choices[0].text in ("Paris", "Rome")
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs", "structured_outputs.regex: "),
+    ({"structured_outputs": {"nothing": 1}}, "structured_outputs", "structured_outputs: "),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format",
+     "response_format.json_schema.schema: "),
+    ({"response_format": {"type": "xml"}}, "response_format", "response_format: type must be"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+     "tool_choice: no tool named 'nope'"),
+    ({"tool_choice": "required"}, "tool_choice", "tool_choice: needs tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream", "stream: tool calls"),
+    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "response_format",
+     "response_format: cannot be combined"),
+])
+def test_structured_output_errors_name_the_field(server, body, param, message):
+    pytest.importorskip("xgrammar")
+    reply = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, timeout=30,
+                       json={"model": MODEL, "messages": QUESTION, "max_tokens": 4, **body})
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == param and error["message"].startswith(message), error
 
 
 def test_sigterm_stops_the_server_with_exit_0(server):

@@ -16,6 +16,7 @@ from nanoserve.engine.request import Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
+from nanoserve.engine.structured_output_manager import StructuredOutputManager
 from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
@@ -73,6 +74,8 @@ class EngineCore:
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
+                                                          config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
         self.trace: list[StepRecord] | None = [] if config.trace else None
@@ -123,6 +126,7 @@ class EngineCore:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         request = Request(request_id, prompt_token_ids, sampling_params, block_size=self.config.block_size,
                           seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority)
+        self.structured_outputs.add_request(request)  # compiles its grammar (cached), off the step path
         self.requests[request_id] = request
         self.scheduler.add(request.first_seq)  # the others fork from it once its prompt is done
 
@@ -188,6 +192,7 @@ class EngineCore:
         """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
         detokenize each new token and look for stop strings; drop the requests that are done."""
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
+        self.structured_outputs.advance(list(updated), self.scheduler.finish)  # a complete grammar finishes it
         outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
         for request_id in {seq.request_id for seq in updated}:
             if self.requests[request_id].is_finished:

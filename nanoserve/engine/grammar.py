@@ -47,8 +47,8 @@ class GrammarCompiler:
     def _compile(self, kind: str, source: str) -> xgr.CompiledGrammar:
         if kind == "json":
             return self.compiler.compile_json_schema(source, any_whitespace=self.any_whitespace)
-        if kind == "json_object":
-            return self.compiler.compile_builtin_json_grammar()
+        if kind == "json_object":  # an object (xgrammar's builtin JSON grammar would allow any value)
+            return self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
         if kind == "regex":
             return self.compiler.compile_regex(source)
         return self.compiler.compile_grammar(source)

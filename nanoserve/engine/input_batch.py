@@ -14,6 +14,7 @@ from nanoserve.config import Config
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.accounting import draft_rows
+from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
 from nanoserve.utils.math import cdiv
@@ -124,7 +125,7 @@ class InputBuilder:
                 presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
                 frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
                 repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
-        vocab_size = self.vocab_size
+        vocab_size, bitmask = self.vocab_size, grammar_bitmask(seqs, self.vocab_size)
         return SamplingMetadata(
             temperatures=column([p.temperature for p in params], 0.0, torch.float32),
             top_ks=column([vocab_size if p.top_k == -1 else p.top_k for p in params], vocab_size, torch.int64),
@@ -133,6 +134,7 @@ class InputBuilder:
             generators=[seq.generator for seq in seqs],
             penalties=penalties,
             min_tokens_mask=self.min_tokens_mask(seqs),
+            grammar_bitmask=None if bitmask is None else self._tensor(bitmask, torch.int32),
         )
 
     def min_tokens_mask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -7,6 +7,7 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens
+from nanoserve.engine.structured_output_manager import waits_for_grammar
 
 
 @dataclass
@@ -120,6 +121,9 @@ class Scheduler(SchedulerPolicies):
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self._pop_group(self.running)
+            if waits_for_grammar(group):  # async scheduling: its next mask needs the token still in flight
+                scheduled += group
+                continue
             while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:
                 if not self.running:
                     self.preempt(group[0], out)  # nobody else to take from: it waits for memory itself

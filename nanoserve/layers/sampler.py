@@ -35,6 +35,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # a seeded request draws its own reproducible noise
     penalties: PenaltyMetadata | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): EOS, stop tokens
+    grammar_bitmask: torch.Tensor | None = None  # int32 [rows, vocab / 32]: bit t % 32 of word t // 32 allows t
 
 
 class Sampler(nn.Module):
@@ -67,7 +68,11 @@ class Sampler(nn.Module):
 
 def rule_out(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
     """Set to -inf the tokens a row may not sample: EOS and the stop tokens before min_tokens (vLLM's
-    MinTokensLogitsProcessor). A grammar's mask of allowed tokens belongs here too."""
+    MinTokensLogitsProcessor), and those a row's grammar does not allow next (structured outputs)."""
+    if sampling.grammar_bitmask is not None:  # unpack the bits: column t is bit t % 32 of word t // 32
+        bits = sampling.grammar_bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)
+        allowed = (bits & 1).flatten(1)[:, : logits.shape[1]].bool()
+        logits = logits.masked_fill(~allowed, float("-inf"))
     if sampling.min_tokens_mask is None:
         return logits
     return logits.index_put(sampling.min_tokens_mask, logits.new_tensor(float("-inf")))

@@ -38,6 +38,8 @@ from nanoserve.serving.protocol import (
     SamplingRequest,
     Usage,
 )
+from nanoserve.serving.structured import chat_tools, structured_outputs_params, with_tool_calls
+from nanoserve.structured_outputs import StructuredOutputsParams
 
 Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta output), in the order they come
 
@@ -60,7 +62,8 @@ def check_length(request: SamplingRequest, prompt: list[int], max_tokens: int | 
                        f"({max_model_len}); at most {max_model_len - len(prompt)}", "max_tokens")
 
 
-def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int) -> SamplingParams:
+def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int,
+                    structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
     """room: what max_model_len leaves after the prompt, the default max_tokens (as in vLLM)."""
     return SamplingParams(n=request.n, temperature=request.temperature, top_p=request.top_p, top_k=request.top_k,
                           min_p=request.min_p, presence_penalty=request.presence_penalty,
@@ -69,7 +72,8 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int)
                           max_tokens=max(room, 1) if max_tokens is None else max_tokens, min_tokens=request.min_tokens,
                           ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids or [],
                           stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
-                          seed=request.seed, output_kind=RequestOutputKind.DELTA)
+                          seed=request.seed, output_kind=RequestOutputKind.DELTA,
+                          structured_outputs=structured_outputs)
 
 
 def as_api_error(e: ValueError, request: SamplingRequest) -> APIError:
@@ -210,8 +214,9 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
-    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name."""
+def build_app(engine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None) -> FastAPI:
+    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name; tool_call_parser
+    ("hermes"): answer tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser)."""
     core, tokenizer = engine.engine_core, engine.tokenizer
     config = core.config
     metrics = Metrics(core, model_name)
@@ -229,8 +234,9 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
         refuse_unsupported(request)
         for p in prompts:
             check_length(request, p, max_tokens, config.max_model_len)
+        structured = structured_outputs_params(request, tool_call_parser)  # response_format, tools, ...
         try:
-            params = [sampling_params(request, max_tokens, config.max_model_len - len(p)) for p in prompts]
+            params = [sampling_params(request, max_tokens, config.max_model_len - len(p), structured) for p in prompts]
             for ids, sp in zip(prompts, params):
                 core.check_request(ids, sp, request.priority)
         except ValueError as e:
@@ -257,7 +263,8 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             events = stream_events(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage,
                                    echo)
             return StreamingResponse(events, media_type="text/event-stream")
-        return await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs, echo), raw)
+        response = await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs, echo), raw)
+        return with_tool_calls(response, request, tool_call_parser) if chat else response
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request):
@@ -277,7 +284,8 @@ def build_app(engine, model_name: str, api_key: str | None = None) -> FastAPI:
             raise APIError(400, "messages: this model folder has no tokenizer, so no chat template", "messages")
         conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(conversation, tools=chat_tools(request), tokenize=False,
+                                                 add_generation_prompt=True)
         except Exception as e:  # the template's own checks (jinja2 raises for roles it does not know)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e
         # As in LLM.chat: the template already holds any special tokens, so encode must not add them again.

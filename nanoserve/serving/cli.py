@@ -20,6 +20,7 @@ import uvicorn
 from nanoserve.async_llm import AsyncLLM
 from nanoserve.config import Config
 from nanoserve.serving.app import build_app
+from nanoserve.serving.structured import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoserve.serving")
 
@@ -65,6 +66,10 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
                         help="on SIGTERM/Ctrl-C, seconds to let running requests finish before aborting them")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='answer tool_choice "auto": the model decides, and --tool-call-parser finds its calls')
+    parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
+                        help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
     add_engine_flags(parser)
 
 
@@ -87,7 +92,9 @@ async def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(args.model, **engine_options(args))
     try:
         name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-        app = build_app(engine, name, args.api_key)
+        if args.enable_auto_tool_choice and args.tool_call_parser is None:
+            raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+        app = build_app(engine, name, args.api_key, args.tool_call_parser if args.enable_auto_tool_choice else None)
         # uvicorn's own deadline is a backstop: by then the app has ended every stream itself
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)

@@ -1,7 +1,7 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, priority, stop_token_ids, include_stop_str_in_output).
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs).
 """
 import time
 from typing import Literal
@@ -40,6 +40,9 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = 1  # completions per prompt (up to the server's max_num_seqs)
+    # The output matches a JSON schema, regex, choice or grammar (nanoserve/serving/structured.py):
+    response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
+    structured_outputs: dict | None = None  # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
 
     def num_prompt_logprobs(self) -> int | None:
@@ -74,8 +77,21 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class ToolFunction(BaseModel):
+    name: str
+    description: str | None = None
+    parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})  # a JSON schema
+
+
+class Tool(BaseModel):
+    type: Literal["function"] = "function"
+    function: ToolFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: str | dict | None = None  # "none", "auto" (default with tools), "required" or a named function
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False  # per token: its logprob, and the top_logprobs most likely ones
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -130,7 +146,8 @@ class ChatLogprobs(BaseModel):
 class Choice(BaseModel):
     index: int  # with n: prompt_index * n + the sequence's index
     logprobs: CompletionLogprobs | ChatLogprobs | None = None
-    finish_reason: str | None = None  # "stop" (EOS, stop token or stop string) or "length"; None while streaming
+    finish_reason: str | None = None  # "stop" (EOS, stop token, stop string, complete grammar), "length",
+    # "tool_calls"; None while streaming
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it (None for EOS)
 
 
@@ -138,9 +155,16 @@ class CompletionChoice(Choice):
     text: str
 
 
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: dict  # {"name": ..., "arguments": the arguments as JSON text}
+
+
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(Choice):

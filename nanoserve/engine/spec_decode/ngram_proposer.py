@@ -51,5 +51,6 @@ def propose_drafts(running: Iterable[sequence.Sequence], spec: SpeculativeConfig
     for seq in running:
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)
-        decoding = seq.num_computed_tokens == len(seq.token_ids) - 1
+        # (A grammar-constrained request gets none: its matcher advances one token a step.)
+        decoding = seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.sampling_params.structured_outputs is None
         seq.spec_token_ids = proposer.propose_one(np.asarray(seq.token_ids), k) if enabled and decoding and k else []
