@@ -1,9 +1,11 @@
+from collections.abc import Callable
 from dataclasses import fields
 from itertools import count
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
@@ -38,6 +40,11 @@ def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
     return list(prompt)
 
 
+def prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
+    """One prompt (text, token ids, a dict) or a list of them, as a list."""
+    return [prompts] if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) else prompts
+
+
 def prompt_text(prompt: Prompt) -> str | None:
     text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     return text if isinstance(text, str) else None
@@ -64,8 +71,7 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
         """priority (scheduling_policy="priority"): one per prompt; lower values are served first."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
+        prompts = prompt_list(prompts)
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
@@ -76,12 +82,28 @@ class LLM:
         token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         for request in zip(token_ids, sampling_params, priority):  # all checked before any request is queued
             self.engine.check_request(*request)
+        return self._add_and_run(prompts, token_ids, [p.n for p in sampling_params], use_tqdm, lambda request_id, i: (
+            self.engine.add_request(request_id, token_ids[i], sampling_params[i], priority[i])))
+
+    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt with params.beam_width sequences, best first, each with its cumulative_logprob
+        (engine/beam_scheduler.py; the search follows transformers' generate(num_beams=...))."""
+        prompts = prompt_list(prompts)
+        token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
+        for ids in token_ids:  # all checked before any request is queued
+            self.engine.check_beam_request(ids, params)
+        return self._add_and_run(prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
+                                 lambda request_id, i: self.engine.add_beam_request(request_id, token_ids[i], params))
+
+    def _add_and_run(self, prompts: list[Prompt], token_ids: list[list[int]], ns: list[int], use_tqdm: bool,
+                     add: Callable[[str, int], None]) -> list[RequestOutput]:
+        """Queue every prompt (add(request_id, i) adds prompt i; ns[i] sequences come back), then step until done."""
         states = {}
-        for prompt, ids, params, prio in zip(prompts, token_ids, sampling_params, priority):
+        for i, (prompt, ids, n) in enumerate(zip(prompts, token_ids, ns)):
             request_id = str(next(self.request_ids))
-            states[request_id] = RequestState(request_id, prompt_text(prompt), ids, RequestOutputKind.FINAL_ONLY,
-                                              params.n)
-            self.engine.add_request(request_id, ids, params, prio)
+            states[request_id] = RequestState(request_id, prompt_text(prompt), ids, RequestOutputKind.FINAL_ONLY, n)
+            add(request_id, i)
         try:
             return self._run(states, use_tqdm)
         except BaseException:

@@ -21,6 +21,7 @@ class CompletionOutput:
     finish_reason: str | None  # "stop" (EOS, a stop token or string), "length" (max_tokens), None while running
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
     logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=k)
+    cumulative_logprob: float | None = None  # LLM.beam_search: the sum of the tokens' log-probabilities
 
 
 @dataclass

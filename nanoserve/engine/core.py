@@ -2,17 +2,18 @@ import os
 import queue
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from itertools import count
 
 import torch
 from transformers import AutoTokenizer
 
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
+from nanoserve.engine.beam_scheduler import BeamRequest, BeamScheduler, beam_sampling_params
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.input_batch import InputBuilder, ModelInput
-from nanoserve.engine.request import Request
+from nanoserve.engine.request import EngineCoreOutput, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
@@ -20,23 +21,6 @@ from nanoserve.engine.structured_output_manager import StructuredOutputManager
 from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
-
-
-@dataclass
-class EngineCoreOutput:
-    """What one step did for one request (vLLM's name); the front ends turn these into RequestOutputs."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_text: str = ""
-    finished: bool = False
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    num_cached_tokens: int = 0
-    new_logprobs: list | None = None  # with SamplingParams(logprobs=k): one dict per new token
-    prompt_logprobs: list | None = None  # with prompt_logprobs=k
-    index: int = 0  # which of the request's n sequences; finished says it finished
-    error: BaseException | None = None  # the request failed (and is gone): the front end raises this
 
 
 class LaunchedStep(Future):
@@ -74,6 +58,7 @@ class EngineCore:
         has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
                             for f in ("tokenizer.json", "tokenizer_config.json"))
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.beam_scheduler = BeamScheduler(config, self.scheduler, self.tokenizer)  # LLM.beam_search's requests
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
                                                           config.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -129,6 +114,20 @@ class EngineCore:
         self.structured_outputs.add_request(request)  # compiles its grammar (cached), off the step path
         self.requests[request_id] = request
         self.scheduler.add(request.first_seq)  # the others fork from it once its prompt is done
+
+    def check_beam_request(self, token_ids: list[int], params: BeamSearchParams) -> None:
+        self.beam_scheduler.check(params)  # then the prompt, and the KV blocks of beam_width sequences:
+        self.check_request(token_ids, beam_sampling_params(params))
+
+    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+        """A beam search (LLM.beam_search): its beams are one sequence group (engine/beam_scheduler.py)."""
+        self.check_beam_request(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        self.requests[request_id] = request = BeamRequest(request_id, prompt_token_ids, params, seq_ids=self.seq_ids,
+                                                          eos_token_ids=self.config.eos_token_ids,
+                                                          block_size=self.config.block_size)
+        self.scheduler.add(request.first_seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if there is no such request (it may have finished)."""
@@ -194,6 +193,7 @@ class EngineCore:
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
         self.structured_outputs.advance(list(updated), self.scheduler.finish)  # a complete grammar finishes it
         outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
+        outputs += self.beam_scheduler.step(out, self.executor.beam_logits, self.requests)  # done searches' results
         for request_id in {seq.request_id for seq in updated}:
             if self.requests[request_id].is_finished:
                 del self.requests[request_id]

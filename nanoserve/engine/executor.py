@@ -72,6 +72,7 @@ class Executor:
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.shutdown = lambda: None  # with one rank there is nothing to stop
+        self.beam_logits: torch.Tensor | None = None  # the last step's ModelInput.beam_rows, raw
         if config.tensor_parallel_size > 1:
             self._start_workers(config)
         try:
@@ -106,6 +107,7 @@ class Executor:
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
         logits = self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        self.beam_logits = logits[inputs.beam_rows]  # beam searches score these raw rows themselves
         return self.model_runner.sample(logits, inputs)
 
     def call(self, method: str, *args):

@@ -37,6 +37,7 @@ class ModelInput:
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> drafts: its 1 + k rows are verified (spec_decode/verify.py)
+    beam_rows: list[int]  # sampling rows of beam searches: their raw logits go to engine/beam_scheduler.py
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -107,7 +108,8 @@ class InputBuilder:
             meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
             sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
             placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
-            spec_decode_tokens=out.scheduled_spec_decode_tokens)
+            spec_decode_tokens=out.scheduled_spec_decode_tokens,
+            beam_rows=[row for row, seq in enumerate(samplers) if seq.beam_search is not None])
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""

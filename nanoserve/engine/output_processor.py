@@ -24,6 +24,7 @@ class RequestState:
         c.text += out.new_text
         c.token_ids += out.new_token_ids
         c.finish_reason, c.stop_reason = out.finish_reason, out.stop_reason
+        c.cumulative_logprob = out.cumulative_logprob
         if out.new_logprobs is not None:
             c.logprobs = c.logprobs or []
             c.logprobs += out.new_logprobs

@@ -1,9 +1,28 @@
 from collections.abc import Iterator
+from dataclasses import dataclass
 from time import monotonic
 
 from nanoserve.engine.detokenizer import IncrementalDetokenizer
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request (vLLM's name); the front ends turn these into RequestOutputs."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+    new_logprobs: list | None = None  # with SamplingParams(logprobs=k): one dict per new token
+    prompt_logprobs: list | None = None  # with prompt_logprobs=k
+    index: int = 0  # which of the request's n sequences; finished says it finished
+    cumulative_logprob: float | None = None  # a beam search's result: its sum of token log-probabilities
+    error: BaseException | None = None  # the request failed (and is gone): the front end raises this
 
 
 class Request:

@@ -203,6 +203,8 @@ class Scheduler(SchedulerPolicies):
                 self.stats.num_chunked_prefills += 1
                 continue
             seq.num_output_placeholders -= 1
+            if seq.beam_search is not None:  # its beam search picks its token (engine/beam_scheduler.py)
+                continue
             for child in forks:
                 self._fork(seq, child, start + num_tokens)
             for s, token_id in zip([seq, *forks], new_token_ids):

@@ -11,8 +11,8 @@ from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 def num_seats(seq: Sequence) -> int:
     """The max_num_seqs seats a sequence takes: n for a request's first one until its prompt is done (the
-    others fork from it then), else 1."""
-    return len(seq.group) if seq.num_completion_tokens == 0 else 1
+    others fork from it then; a beam search's n is its beam_width), else 1."""
+    return seq.sampling_params.n if seq.num_completion_tokens == 0 else 1
 
 
 def priority_key(seq: Sequence) -> tuple[int, int]:

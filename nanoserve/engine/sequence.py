@@ -38,6 +38,7 @@ class Sequence:
         self.num_output_placeholders = 0
         self.spec_token_ids: list[int] = []  # draft tokens the next step verifies (docs/speculative.md)
         self.finish_reason: str | None = None
+        self.beam_search = None  # the BeamSearch (engine/beam_search.py) this sequence is a live beam of
         self.grammar = None  # structured outputs: its GrammarMatcher (engine/structured_output_manager.py)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)

@@ -46,6 +46,9 @@ Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta outpu
 
 # ---- from the request to the engine ----------------------------------------------------------------
 def refuse_unsupported(request: SamplingRequest) -> None:
+    if request.use_beam_search:  # declared so that it is refused, not silently ignored and sampled instead
+        raise APIError(400, "use_beam_search: the server does not run beam search yet; LLM.beam_search "
+                       "(docs/beam_search.md) does, offline", "use_beam_search")
     if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 

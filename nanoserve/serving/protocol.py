@@ -1,7 +1,8 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs).
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs), and use_beam_search,
+declared to be refused.
 """
 import time
 from typing import Literal
@@ -44,6 +45,7 @@ class SamplingRequest(BaseModel):
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
     structured_outputs: dict | None = None  # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
+    use_beam_search: bool = False  # vLLM's extension: refused (400) here; LLM.beam_search runs it offline
 
     def num_prompt_logprobs(self) -> int | None:
         return None

@@ -1,0 +1,136 @@
+"""Beam search in the engine (LLM.beam_search): a request's live beams are one sequence group, as in early vLLM.
+
+The model runner gives each live beam's raw next-token logits (ModelInput.beam_rows); engine/beam_search.py's
+BeamSearch.step says who goes on from whom, and `BeamScheduler.step` acts that out on the blocks, in order:
+free the beams that have no child, fork a parent with several children (the child shares every block: one
+more reference each), then append each child's token. The next schedule's `may_append` splits a shared,
+partly filled last block (copy-on-write) only for a beam that writes into it. docs/beam_search.md draws it.
+"""
+from collections.abc import Iterator
+
+import torch
+
+from nanoserve.beam_search_params import BeamSearchParams
+from nanoserve.config import Config
+from nanoserve.engine.beam_search import BeamChild, BeamSearch, Hypothesis
+from nanoserve.engine.request import EngineCoreOutput, Request
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.sampling_params import SamplingParams
+
+
+def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
+    """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of blocks, greedy
+    rows (the runner's draw for a beam row is ignored: the beam step picks), and no EOS stop of their own."""
+    return SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+
+
+class BeamRequest(Request):
+    """A beam search's request: `seqs` are its live beams, in `search.beams` order (best first)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, *,
+                 eos_token_ids: list[int], block_size: int, seq_ids: Iterator[int]):
+        super().__init__(request_id, prompt_token_ids, beam_sampling_params(params), block_size=block_size,
+                         seq_ids=seq_ids)
+        self.params, self.eos_token_ids, self.seq_ids = params, eos_token_ids, seq_ids
+        self.num_cached_tokens = 0
+        self.restart()
+
+    def restart(self) -> None:
+        """One beam, the prompt, and a fresh search. (Request made n sequences for parallel sampling; beams
+        fork only as the search splits.)"""
+        self.search = BeamSearch(self.params, self.eos_token_ids)
+        first = Sequence(next(self.seq_ids), self.prompt_token_ids, self.sampling_params,
+                         self.seqs[0].block_size, request_id=self.request_id)
+        first.beam_search = self.search
+        self.seqs[:] = [first]
+        first.group = self.seqs
+
+
+class BeamScheduler:
+    """Checks beam requests and takes in each step's beam rows (EngineCore calls it after Scheduler.postprocess)."""
+
+    def __init__(self, config: Config, scheduler: Scheduler, tokenizer=None):
+        self.config, self.scheduler, self.tokenizer = config, scheduler, tokenizer
+
+    def check(self, params: BeamSearchParams) -> None:
+        """The limits of beam search itself (EngineCore.check_request checks the prompt and the KV pool)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        if self.config.async_scheduling:  # each step's beams decide the next batch: it cannot be planned ahead
+            raise ValueError("beam search: not with async_scheduling=True (the next step's batch depends on "
+                             "this step's beams); create the LLM with async_scheduling=False")
+        if self.config.enable_chunked_prefill:  # its token budget could run part of a request's beams only
+            raise ValueError("beam search: not with enable_chunked_prefill=True; create the LLM without it")
+        if params.beam_width > self.config.max_num_seqs:  # a request's beams run together
+            raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({self.config.max_num_seqs})")
+        search, vocab_size = BeamSearch(params, self.config.eos_token_ids), self.config.hf_config.vocab_size
+        if search.num_candidates > vocab_size:
+            raise ValueError(f"beam_width ({params.beam_width}): each step ranks {search.num_candidates} "
+                             f"candidates, more than the vocabulary's {vocab_size} tokens")
+
+    def step(self, out: SchedulerOutput, logits: torch.Tensor, requests: dict[str, Request]) -> list[EngineCoreOutput]:
+        """Take in a step's beam rows (logits: one row per beam that sampled, in batch order). A request whose
+        search is done leaves `requests`, its beams freed; it returns its hypotheses, best first, as outputs."""
+        for request in {requests[s.request_id]: None for s in out.preempted if s.beam_search is not None}:
+            self._restart_if_recomputed(request)
+        beam_seqs = [s for s, do_sample in zip(out.seqs, out.do_sample) if do_sample and s.beam_search is not None]
+        row_of = {s.seq_id: row for row, s in enumerate(beam_seqs)}
+        outputs = []
+        for request in {requests[s.request_id]: None for s in beam_seqs if not s.is_finished}:
+            if any(s.seq_id not in row_of for s in request.seqs):  # (a step that ran part of the beams)
+                for s in request.seqs:  # whoever ran computes its newest token again, with the others
+                    s.num_computed_tokens -= s.seq_id in row_of
+                continue
+            if request.search.beams[0].token_ids == []:  # the prompt's step: its cache hits are the request's
+                request.num_cached_tokens = request.seqs[0].num_cached_tokens
+            result = request.search.step(logits[[row_of[s.seq_id] for s in request.seqs]])
+            self._act_out(request, result.children, result.dropped)
+            if result.done:
+                del requests[request.request_id]
+                outputs += [self._output(request, i, h) for i, h in enumerate(request.search.hypotheses)]
+        return outputs
+
+    def _output(self, request: BeamRequest, index: int, hypothesis: Hypothesis) -> EngineCoreOutput:
+        text = self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        return EngineCoreOutput(request.request_id, hypothesis.token_ids, new_text=text, finished=True,
+                                finish_reason=hypothesis.finish_reason, num_cached_tokens=request.num_cached_tokens,
+                                index=index, cumulative_logprob=hypothesis.cumulative_logprob)
+
+    def _act_out(self, request: BeamRequest, children: list[BeamChild], dropped: list[int]) -> None:
+        """Free the dropped beams, fork the parents of several children (before anyone appends), append."""
+        parents = list(request.seqs)
+        for i in dropped:
+            self.scheduler.finish(parents[i])
+        new_seqs = []
+        for child in children:
+            parent = parents[child.parent]
+            new_seqs.append(self._fork(request, parent) if child.is_fork else parent)
+        for seq, child in zip(new_seqs, children):
+            seq.append_token(child.token_id)
+            self.scheduler.stats.num_generated_tokens += 1
+        request.seqs[:] = new_seqs  # (the same list: it is every beam's `group`)
+
+    def _fork(self, request: BeamRequest, parent: Sequence) -> Sequence:
+        """A new beam, a copy of parent that shares its blocks, next to it in the running queue."""
+        child = Sequence(next(request.seq_ids), parent.token_ids, parent.sampling_params, parent.block_size,
+                         parent.priority, parent.request_id)
+        child.beam_search, child.group = parent.beam_search, parent.group
+        self.scheduler.block_manager.fork(parent, child)
+        child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
+        child.status = SequenceStatus.RUNNING
+        running = self.scheduler.running
+        running.insert(running.index(parent) + 1, child)
+        return child
+
+    def _restart_if_recomputed(self, request: BeamRequest) -> None:
+        """Preempted to recompute, the beams would come back one by one, not as a group: the search starts over
+        from the prompt instead (same model, same result; prefix caching keeps the prompt's KV if it can).
+        Swapped out, the group waits in host memory and comes back whole."""
+        if request.seqs[0].status != SequenceStatus.WAITING:
+            return
+        for seq in request.seqs:
+            self.scheduler.finish(seq)
+        request.restart()
+        self.scheduler._enqueue(self.scheduler.waiting, request.seqs[0], front=True)
