@@ -108,7 +108,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="prompts share a common prefix; nanoserve with vs without prefix caching")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix length (--shared-prefix)")
     scenario.add_argument("--lookup", action="store_true",
-                          help="prompts that ask to repeat a standard-library docstring (a workload n-gram lookup helps)")
+                          help="prompts that ask to repeat a standard-library docstring (n-gram lookup helps)")
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
                    help="nanoserve also runs with this speculative_config, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': with vs without")
