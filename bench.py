@@ -13,6 +13,8 @@ run by benchmarks/vllm_peer.py in vLLM's own interpreter, `--vllm-python`).
     python bench.py --peer vllm --vllm-python VENV/bin/python   # vLLM in a venv of its own: docs/benchmarks.md
     python bench.py --nano-vllm           # nano-vllm's workload: 256 prompts, 100-1024 in and out
     python bench.py --shared-prefix       # prefix caching on vs off, on prompts sharing a long prefix
+    python bench.py --lookup --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
+                                          # speculation on vs off, on prompts that ask to repeat real text
     python bench.py --json results.json   # also write the figures for scripts
 
 Timing lives here, not in the engine: bench.py drives `llm.engine` step by step (as LLM.generate
@@ -21,7 +23,9 @@ does) to timestamp each request's tokens, and wraps `model_runner.run_model` to 
 import argparse
 import ctypes.util
 import gc
+import importlib
 import importlib.util
+import inspect
 import json
 import os
 import platform
@@ -42,6 +46,7 @@ import transformers
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoTokenizer,
     ContinuousBatchingConfig,
     GenerationConfig,
     StoppingCriteria,
@@ -61,15 +66,20 @@ WORKLOADS = {
     "quick": (16, (32, 256), (32, 128)),
     "nano-vllm": (256, (100, 1024), (100, 1024)),
     "shared-prefix": (64, (16, 64), (16, 64)),
+    "lookup": (16, (0, 0), (64, 128)),  # input: a docstring of Python's standard library, whatever its length
 }
+# --lookup's text: real prose that ships with Python (docstrings of these standard-library modules' public
+# functions and classes), which each prompt asks the model to repeat: n-gram lookup finds what comes next.
+LOOKUP_MODULES = ("argparse", "collections", "functools", "itertools", "json", "random", "textwrap", "threading")
 
 
 def workload_help() -> str:
     lines = []
     for name, (n, (in_min, in_max), (out_min, out_max)) in WORKLOADS.items():
         prefix = "a --prefix-len (1024) token shared prefix + " if name == "shared-prefix" else ""
+        inputs = "a standard-library docstring" if name == "lookup" else f"{prefix}{in_min}-{in_max}"
         flag = "default" if name == "default" else f"--{name}"
-        lines.append(f"  {flag:<16}{n} prompts, input {prefix}{in_min}-{in_max}, output {out_min}-{out_max} tokens")
+        lines.append(f"  {flag:<16}{n} prompts, input {inputs}, output {out_min}-{out_max} tokens")
     return ("workloads (random token ids, seed 0, greedy, ignore_eos; --num-prompts, --input-len and --output-len "
             "override them):\n" + "\n".join(lines) + "\n  on 2 CPU cores with the transformers peer, the default "
             "takes about 3 minutes, --quick about 30 seconds")
@@ -97,6 +107,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     scenario.add_argument("--shared-prefix", action="store_true",
                           help="prompts share a common prefix; nanoserve with vs without prefix caching")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix length (--shared-prefix)")
+    scenario.add_argument("--lookup", action="store_true",
+                          help="prompts that ask to repeat a standard-library docstring (n-gram lookup helps)")
+    p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
+                   help="nanoserve also runs with this speculative_config, e.g. "
+                        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': with vs without")
+    p.add_argument("--max-num-seqs", type=int, help="nanoserve: most requests per batch (1: batch 1)")
     p.add_argument("--peer", default="transformers",
                    help="comma-separated peers: transformers, transformers-cb, llama.cpp, vllm; or none")
     p.add_argument("--no-transformers", action="store_true", help="no peers (same as --peer none)")
@@ -114,7 +130,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     args.scenario = ("shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm
-                     else "quick" if args.quick else "default")
+                     else "quick" if args.quick else "lookup" if args.lookup else "default")
     num_prompts, input_len, output_len = WORKLOADS[args.scenario]
     args.num_prompts = args.num_prompts or num_prompts
     args.input_len = args.input_len or input_len
@@ -138,6 +154,23 @@ def make_workload(args, vocab_size: int) -> tuple[list[list[int]], list[int]]:
     prefix = tokens(args.prefix_len) if args.shared_prefix else []
     prompts = [prefix + tokens(rng.randint(*args.input_len)) for _ in range(args.num_prompts)]
     output_lens = [rng.randint(*args.output_len) for _ in prompts]
+    return prompts, output_lens
+
+
+def make_lookup_workload(args, path: str) -> tuple[list[list[int]], list[int]]:
+    """Prompts asking to repeat a docstring of Python's standard library (LOOKUP_MODULES), the same for a given
+    seed; each output length is drawn from --output-len, at most the docstring's length in tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    docs = sorted({inspect.getdoc(obj) for module in map(importlib.import_module, LOOKUP_MODULES)
+                   for name, obj in vars(module).items()
+                   if not name.startswith("_") and (inspect.isfunction(obj) or inspect.isclass(obj))
+                   and len(inspect.getdoc(obj) or "") >= 400})
+    rng = random.Random(args.seed)
+    rng.shuffle(docs)
+    chosen = [docs[i % len(docs)] for i in range(args.num_prompts)]
+    prompts = [tokenizer.encode(f"Repeat the text below word for word.\n\nText:\n{doc}\n\nRepeated text:\n")
+               for doc in chosen]
+    output_lens = [min(rng.randint(*args.output_len), len(tokenizer.encode(doc))) for doc in chosen]
     return prompts, output_lens
 
 
@@ -222,6 +255,8 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
 def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
     if args.block_size:
         options["block_size"] = args.block_size
+    if args.max_num_seqs:
+        options["max_num_seqs"] = args.max_num_seqs
     llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               tensor_parallel_size=args.tensor_parallel_size, **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
@@ -231,7 +266,13 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     result = run_nanoserve(llm, prompts, output_lens, warmup)
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
-                  async_scheduling=config.async_scheduling)
+                  async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs)
+    if config.speculative_config is not None:
+        spec = llm.stats.spec_decoding
+        result.update(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
+                      num_accepted_tokens=spec.num_accepted_tokens, acceptance_rate=spec.acceptance_rate,
+                      mean_acceptance_length=spec.mean_acceptance_length,
+                      acceptance_rate_per_pos=spec.acceptance_rate_per_pos)
     del llm
     gc.collect()  # give back the KV cache before the next engine allocates its own
     return result
@@ -542,7 +583,8 @@ def main(argv=None) -> dict:
             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(tmp)
             path = tmp
         hf_config = AutoConfig.from_pretrained(path)
-        prompts, output_lens = make_workload(args, hf_config.vocab_size)
+        prompts, output_lens = (make_lookup_workload(args, path) if args.lookup
+                                else make_workload(args, hf_config.vocab_size))
         print(f"{args.scenario}: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "
               f"{sum(output_lens)} output tokens, model {args.model}")
         results: dict[str, dict] = {}
@@ -565,6 +607,14 @@ def main(argv=None) -> dict:
             peers = {name: PEERS[name](path, args, prompts, output_lens) for name in run if name != "llama.cpp"}
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
+            if args.speculative_config:  # the same engine with speculation, right after it
+                off = results[nanoserve_name(args.dtypes[0], args)]
+                on = results[nanoserve_name(args.dtypes[0], args) + " speculative"] = bench_nanoserve(
+                    path, args, prompts, output_lens, args.dtypes[0], speculative_config=args.speculative_config)
+                ratios["speculative on / off"] = on["tokens_per_s"] / off["tokens_per_s"]
+                print(f"speculative: TPOT p50 {off['tpot_p50_ms']:.1f} -> {on['tpot_p50_ms']:.1f} ms "
+                      f"({off['tpot_p50_ms'] / on['tpot_p50_ms']:.2f}x), acceptance rate "
+                      f"{on['acceptance_rate']:.1%}, mean acceptance length {on['mean_acceptance_length']:.2f}")
             if "llama.cpp" in run:
                 peers["llama.cpp"] = bench_llama_cpp(args, prompts, output_lens)
             nano = results[nanoserve_name(args.dtypes[0], args)]

@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, GenerationConfig, PretrainedConfig
 
+from nanoserve.speculative_config import SpeculativeConfig
+
 
 def pick_attention_backend(name: str, device: str) -> str:
     """Resolve "auto" (flash-attn, else Triton on CUDA; PyTorch elsewhere), or check that `name` can run here."""
@@ -72,6 +74,7 @@ class Config:
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
+    speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
     hf_config: PretrainedConfig = field(init=False, repr=False)
     eos_token_ids: list[int] = field(init=False, repr=False)
 
@@ -138,9 +141,21 @@ class Config:
                              "must divide one another (fewer KV heads than ranks are replicated)")
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
+        if self.speculative_config is not None:
+            self._validate_speculative_config()
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
+
+    def _validate_speculative_config(self) -> None:
+        """Its own keys (speculative_config.py), then what the engine does not combine it with (yet)."""
+        spec = self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if spec.method == "draft_model":
+            raise ValueError("speculative_config.method='draft_model' is not implemented yet: use 'ngram'")
+        if self.async_scheduling:
+            raise ValueError("speculative_config with async_scheduling=True is not supported yet: the next step "
+                             "would be planned before this one's drafts are verified, so neither its drafts nor "
+                             "how far its num_computed_tokens rolls back would be known; turn one of them off")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -125,3 +125,16 @@ def test_refused_before_work(tiny_models, options, params, words):
         llm.beam_search([PROMPTS[0], PROMPTS[1]], BeamSearchParams(**params), use_tqdm=False)
     assert all(w in str(e.value) for w in words), str(e.value)
     assert not llm.engine.requests and llm.engine.scheduler.is_finished()
+
+
+def test_speculation_leaves_beams_alone(tiny_models):
+    """Beams take one token a step through their search: n-gram drafts (which these repeating prompts would
+    invite) are never proposed for them, and the results equal an engine without speculation."""
+    prompts = [[5, 6, 7, 8] * 3, [9, 10, 11] * 4]
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    plain = LLM(tiny_models["qwen3"], **OPTIONS).beam_search(prompts, params, use_tqdm=False)
+    spec = LLM(tiny_models["qwen3"], **OPTIONS, speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                                    "prompt_lookup_min": 2, "prompt_lookup_max": 3})
+    outputs = spec.beam_search(prompts, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert spec.stats.spec_decoding.num_drafts == 0

@@ -7,7 +7,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "nanoserve"
 RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structured_outputs",  # importable by all
-           "nanoserve.outputs", "nanoserve.beam_search_params"}
+           "nanoserve.outputs", "nanoserve.speculative_config", "nanoserve.beam_search_params"}
 # Higher floors import lower ones, never the reverse.
 FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4, "serving": 5, "tools": 5}
 

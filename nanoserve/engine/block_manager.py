@@ -118,28 +118,31 @@ class BlockManager:
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
-    def needs_block(self, seq: Sequence) -> bool:
-        """Does seq's newest token need a new block: its last one is full, or shared (copy-on-write)?"""
-        return len(seq.block_table) < seq.num_blocks or self.blocks[seq.block_table[-1]].ref_count > 1
+    def num_new_blocks(self, seq: Sequence) -> int:
+        """Free blocks seq takes before this step writes its uncomputed tokens: one per block they spill into
+        (1 + k tokens with k drafts may span several), plus a private copy of a last block a forked sibling
+        shares, if they land in it (copy-on-write)."""
+        shared = bool(seq.block_table) and self.blocks[seq.block_table[-1]].ref_count > 1
+        lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
+        return seq.num_blocks - len(seq.block_table) + (shared and lands_in_last)
 
     def can_append(self, seq: Sequence) -> bool:
-        """Can seq's newest token get a slot?"""
-        return not self.needs_block(seq) or self.num_free_blocks > 0
+        """Can seq's uncomputed tokens get their slots?"""
+        return self.num_new_blocks(seq) <= self.num_free_blocks
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Reserve a slot for the token this step computes (call only after can_append). Returns the
+        """Reserve slots for the tokens this step computes (call only after can_append). Returns the
         (source, destination) block pair to copy first when the last block was shared, else []."""
-        if not self.needs_block(seq):
-            return []
-        if len(seq.block_table) < seq.num_blocks:
-            seq.block_table.append(self._allocate_new_block())
-            return []
-        # Copy-on-write: the partly filled last block is shared with a forked sibling, which must not
-        # see this token. Write into a private copy; the siblings keep the original.
-        src = seq.block_table[-1]
-        self._free([src])
-        seq.block_table[-1] = self._allocate_new_block()
-        return [(src, seq.block_table[-1])]
+        copies = []
+        if self.num_new_blocks(seq) > seq.num_blocks - len(seq.block_table):  # the last block is shared
+            # Copy-on-write: the partly filled last block is shared with a forked sibling, which must not
+            # see these tokens. Write into a private copy; the siblings keep the original.
+            src = seq.block_table[-1]
+            self._free([src])
+            seq.block_table[-1] = self._allocate_new_block()
+            copies.append((src, seq.block_table[-1]))
+        seq.block_table += [self._allocate_new_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+        return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child starts as a copy of parent: it shares all its blocks (one more reference each)."""

@@ -1,6 +1,6 @@
 import os
 import queue
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
@@ -17,6 +17,7 @@ from nanoserve.engine.input_batch import InputBuilder, ModelInput
 from nanoserve.engine.request import EngineCoreOutput, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
 from nanoserve.engine.structured_output_manager import StructuredOutputManager
 from nanoserve.engine.trace import StepRecord, record_step
 from nanoserve.sampling_params import SamplingParams
@@ -196,15 +197,17 @@ class EngineCore:
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
         """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
         detokenize each new token and look for stop strings; drop the requests that are done."""
-        updated = self.scheduler.postprocess(out, token_ids)
-        self.structured_outputs.advance(updated, self.scheduler.finish)  # a complete grammar finishes its sequence
-        outputs = [self._output(self.requests[seq.request_id], seq) for seq in updated]
+        updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
+        self.structured_outputs.advance(list(updated), self.scheduler.finish)  # a complete grammar finishes it
+        outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
         outputs += self.beam_scheduler.step(out, self.executor.beam_logits, self.requests)  # done searches' results
         for request_id in {seq.request_id for seq in updated}:
             if self.requests[request_id].is_finished:
                 del self.requests[request_id]
+        if self.config.speculative_config is not None:  # the next step's drafts (docs/speculative.md)
+            propose_drafts(self.scheduler.running, self.config.speculative_config)
         if self.trace is not None or self.step_listeners:
-            self._record_step(out, updated)
+            self._record_step(out, list(updated))
         return outputs
 
     def _record_step(self, out: SchedulerOutput, updated: list[Sequence]) -> None:
@@ -217,22 +220,27 @@ class EngineCore:
         for listener in self.step_listeners:
             listener(record)
 
-    def _output(self, request: Request, seq: Sequence) -> EngineCoreOutput:
-        """seq's newest token as text; a stop string in that text finishes seq here."""
-        token_id, params = seq.token_ids[-1], request.sampling_params
+    def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:
+        """seq's num_new newest tokens (more than 1 with speculative decoding) as text; a stop string in that
+        text finishes seq there, and the tokens after it are dropped."""
+        start, token_id, params = len(seq.token_ids) - num_new, seq.token_ids[-1], request.sampling_params
         stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
         detokenizer, new_text = request.detokenizers[seq.index], ""
         if detokenizer is not None:
-            stop = detokenizer.update(token_id, seq.is_finished)
-            if stop is not None:
-                self.scheduler.finish(seq)
-                seq.finish_reason, stop_reason = "stop", stop
+            for i, token_id in enumerate(seq.token_ids[start:], start + 1):
+                stop = detokenizer.update(token_id, seq.is_finished and i == len(seq.token_ids))
+                if stop is not None:
+                    del seq.token_ids[i:]
+                    self.scheduler.finish(seq)
+                    seq.finish_reason, stop_reason = "stop", stop
+                    break
             new_text = detokenizer.get_delta(seq.is_finished)
-        # (The model runner wrote the token's logprobs when it sampled it; a later step may be ahead.)
-        logprobs = None if seq.logprobs is None else seq.logprobs[seq.num_completion_tokens - 1 :][:1]
+        # (The model runner wrote the tokens' logprobs when it sampled them; a later step may be ahead.)
+        first = start - seq.num_prompt_tokens
+        logprobs = None if seq.logprobs is None else seq.logprobs[first : seq.num_completion_tokens]
         return EngineCoreOutput(
-            request_id=request.request_id, new_token_ids=[token_id], new_text=new_text, finished=seq.is_finished,
-            finish_reason=seq.finish_reason, stop_reason=stop_reason,
+            request_id=request.request_id, new_token_ids=seq.token_ids[start:], new_text=new_text,
+            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
             num_cached_tokens=request.first_seq.num_cached_tokens, new_logprobs=logprobs,
             prompt_logprobs=request.first_seq.prompt_logprobs, index=seq.index)
 

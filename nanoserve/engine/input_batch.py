@@ -13,6 +13,7 @@ import torch
 from nanoserve.config import Config
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.accounting import draft_rows
 from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
@@ -35,6 +36,7 @@ class ModelInput:
     placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
+    spec_decode_tokens: dict[int, list[int]]  # seq_id -> drafts: its 1 + k rows are verified (spec_decode/verify.py)
     beam_rows: list[int]  # sampling rows of beam searches: their raw logits go to engine/beam_scheduler.py
 
 
@@ -70,8 +72,8 @@ class InputBuilder:
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
             end = start + num_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            if end > len(seq.token_ids):  # async scheduling: its last token is a placeholder (filled in later)
+            input_ids.extend(seq.token_ids[start:end] + seq.spec_token_ids)  # drafts: speculative decoding
+            if end > len(seq.token_ids) + len(seq.spec_token_ids):  # async scheduling: a placeholder (filled later)
                 placeholder_rows.append(len(input_ids))
                 placeholder_seq_ids.append(seq.seq_id)
                 input_ids.append(0)
@@ -83,7 +85,9 @@ class InputBuilder:
                 base = (seq.block_table[i] - i) * bs
                 slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
             if do_sample:
-                logits_rows += [len(input_ids) - 1] * (1 + len(forks))  # n > 1: the row for every fork too
+                # The rows of its newest token and its drafts; n > 1: the last row again for every fork.
+                logits_rows += [*range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))]
+                logits_rows += [len(input_ids) - 1] * len(forks)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping, torch.int64),
             block_tables=self._padded([seq.block_table for seq in out.seqs], -1, torch.int32),
@@ -94,7 +98,7 @@ class InputBuilder:
             max_seqlen_k=max(context_lens),
         )
         samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks) if do_sample
-                    for s in [seq, *forks]]
+                    for s in [*draft_rows(seq), *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, seq in enumerate(samplers) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
@@ -104,6 +108,7 @@ class InputBuilder:
             meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
             sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
             placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
+            spec_decode_tokens=out.scheduled_spec_decode_tokens,
             beam_rows=[row for row, seq in enumerate(samplers) if seq.beam_search is not None])
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:

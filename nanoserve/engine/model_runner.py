@@ -6,6 +6,7 @@ from nanoserve.engine.cuda_graph import CUDAGraphs
 from nanoserve.engine.input_batch import InputBuilder, LogprobsPlace, ModelInput, to_device
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
 from nanoserve.layers.linear import reorder_weights_for_cpu
 from nanoserve.layers.sampler import Sampler, compute_logprobs
@@ -166,6 +167,8 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """A token id per sampling row (layers/sampler.py tells which), as a device tensor; kept for the next
         step's placeholders. The logprobs asked for are recorded on their sequences."""
+        if inputs.spec_decode_tokens:  # speculative decoding: verify drafts (async scheduling is off then)
+            return verify(self, logits, inputs)
         num_rows = len(inputs.sample_seq_ids)
         newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None
         sampled = self.sampler(logits[:num_rows], inputs.sampling, newest)

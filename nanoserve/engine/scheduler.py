@@ -1,11 +1,12 @@
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens
 from nanoserve.engine.structured_output_manager import waits_for_grammar
 
 
@@ -24,6 +25,7 @@ class SchedulerStats:
     num_priority_preemptions: int = 0  # running requests evicted for a more urgent waiting one (priority policy)
     num_swapped_out: int = 0  # preemptions that moved the KV to host memory (the others recompute)
     num_swapped_in: int = 0  # swapped-out requests whose KV was copied back
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # speculative_config
 
 
 class Scheduler(SchedulerPolicies):
@@ -106,6 +108,7 @@ class Scheduler(SchedulerPolicies):
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
+        del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # drafts past the token budget are dropped
         out.blocks_to_copy += self.block_manager.may_append(seq)  # a new block for its newest token, if needed
         out.add(seq, num_tokens)
         return num_tokens
@@ -121,7 +124,7 @@ class Scheduler(SchedulerPolicies):
             if waits_for_grammar(group):  # async scheduling: its next mask needs the token still in flight
                 scheduled += group
                 continue
-            while sum(map(self.block_manager.needs_block, group)) > self.block_manager.num_free_blocks:
+            while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:
                 if not self.running:
                     self.preempt(group[0], out)  # nobody else to take from: it waits for memory itself
                     break
@@ -146,6 +149,7 @@ class Scheduler(SchedulerPolicies):
         out.preempted += group
         swap = swap and self._swap_out(group, out)
         for s in reversed(group):  # to the front of their queue, in order
+            s.spec_token_ids = []  # (drafts are proposed for running sequences only)
             if not swap:
                 self.block_manager.deallocate(s)
             s.status = SequenceStatus.SWAPPED if swap else SequenceStatus.WAITING
@@ -186,8 +190,12 @@ class Scheduler(SchedulerPolicies):
         updated = []
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
-            new_token_ids = [next(sampled) for _ in range(do_sample + len(forks))]
+            drafts = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
+            new_token_ids = [next(sampled) for _ in range(do_sample + len(forks) + len(drafts))]
             if seq.is_finished:
+                continue
+            if drafts:  # speculative decoding: a run of up to 1 + k tokens, then the rollback
+                updated += accept_tokens(self, seq, start, drafts, new_token_ids)
                 continue
             if seq.status == SequenceStatus.RUNNING:  # (a preempted one no longer holds these blocks)
                 self.block_manager.hash_blocks(seq, start, start + num_tokens)  # their KV is written now

@@ -23,6 +23,7 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -33,6 +34,8 @@ class SchedulerOutput:
         # fork from this one with theirs.
         prompt_done = self.do_sample[-1] and seq.num_computed_tokens + num_tokens == seq.num_prompt_tokens
         self.forks.append(seq.group[1:] if prompt_done else [])
+        if seq.spec_token_ids:  # speculative decoding: its newest token and these drafts, 1 + k in all
+            self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def is_decode(self, i: int) -> bool:
         """Row i computes just its sequence's newest token, one the model generated (else: prefill work)."""

@@ -36,6 +36,7 @@ class Sequence:
         # Async scheduling: tokens a step in flight is sampling, not yet known. They count in len(seq), so the
         # next step is planned (blocks, positions) as if they were there (vLLM's num_output_placeholders).
         self.num_output_placeholders = 0
+        self.spec_token_ids: list[int] = []  # draft tokens the next step verifies (docs/speculative.md)
         self.finish_reason: str | None = None
         self.beam_search = None  # the BeamSearch (engine/beam_search.py) this sequence is a live beam of
         self.grammar = None  # structured outputs: its GrammarMatcher (engine/structured_output_manager.py)
@@ -47,7 +48,7 @@ class Sequence:
             None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
-        return len(self.token_ids) + self.num_output_placeholders
+        return len(self.token_ids) + self.num_output_placeholders + len(self.spec_token_ids)
 
     @property
     def is_finished(self) -> bool:

@@ -43,12 +43,19 @@ class Sampler(nn.Module):
                 newest_token_ids: torch.Tensor | None = None) -> torch.Tensor:
         """A token id per row. newest_token_ids: each row's last input token, the newest output token when the
         row decodes (the penalties count it; with async scheduling the plan could not)."""
+        greedy, probs = self.process(logits, sampling, newest_token_ids)
+        return greedy if probs is None else torch.where(sampling.temperatures == 0, greedy,
+                                                        draw(probs, sampling.generators))
+
+    def process(self, logits: torch.Tensor, sampling: SamplingMetadata, newest_token_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Each row's greedy token and the distribution a draw is made from (None: every row is greedy)."""
         logits = rule_out(logits.float(), sampling)
         if sampling.penalties is not None:
             logits = apply_penalties(logits, sampling.penalties, newest_token_ids)
         greedy = logits.argmax(dim=-1)
         if sampling.temperatures is None:
-            return greedy
+            return greedy, None
         logits = logits / sampling.temperatures.clamp(min=1e-5).unsqueeze(1)
         if sampling.min_ps is not None:
             probs = logits.softmax(dim=-1)
@@ -56,8 +63,7 @@ class Sampler(nn.Module):
                                         float("-inf"))
         if sampling.top_ks is not None or sampling.top_ps is not None:
             logits = apply_top_k_top_p(logits, sampling.top_ks, sampling.top_ps)
-        sampled = draw(torch.softmax(logits, dim=-1), sampling.generators)
-        return torch.where(sampling.temperatures == 0, greedy, sampled)
+        return greedy, torch.softmax(logits, dim=-1)
 
 
 def rule_out(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
@@ -102,8 +108,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
 
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One sample per row. Speculative decoding would verify its draft tokens against probs here instead
-    (accept each with min(1, p / q), else draw from the residual)."""
+    """One sample per row. Speculative decoding verifies its draft tokens against probs instead
+    (engine/spec_decode/verify.py: accept each with min(1, p / q), else draw from the residual)."""
     # Gumbel-max trick: argmax(p / Exp(1) noise) is a sample from p, with no sync for multinomial.
     noise = torch.empty_like(probs).exponential_()
     for i, generator in enumerate(generators):

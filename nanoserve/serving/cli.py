@@ -7,6 +7,7 @@ help, so an option is written down once.
 import argparse
 import asyncio
 import inspect
+import json
 import logging
 import os
 import re
@@ -44,6 +45,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         else:  # int, float, str, or `X | None`: the value's type is X
             kind = next(t for t in typing.get_args(f.type) if t is not type(None)) \
                 if isinstance(f.type, types.UnionType) else f.type
+            kind = json.loads if kind is dict else kind  # --speculative-config '{"method": "ngram", ...}'
             group.add_argument(flag, type=kind, default=default, help=help_text)
 
 

@@ -42,6 +42,10 @@ class EngineCollector(Collector):
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.num_prompt_tokens),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.num_cached_tokens),
             "num_preemptions": ("Requests preempted (recomputed or swapped out)", stats.num_preemptions),
+            # speculative decoding (vLLM's spec_decode_* names): 0 without a speculative_config
+            "spec_decode_num_drafts": ("Verifications of a request's draft tokens", stats.spec_decoding.num_drafts),
+            "spec_decode_num_draft_tokens": ("Draft tokens proposed", stats.spec_decoding.num_draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Draft tokens accepted", stats.spec_decoding.num_accepted_tokens),
         }
         for name, (doc, value) in gauges.items():
             family = GaugeMetricFamily(f"nanoserve:{name}", doc, labels=["model_name"])
@@ -51,6 +55,12 @@ class EngineCollector(Collector):
             family = CounterMetricFamily(f"nanoserve:{name}", doc, labels=["model_name"])
             family.add_metric(self.labels, value)
             yield family
+        name = "spec_decode_num_accepted_tokens_per_pos"  # one series per draft position
+        per_pos = CounterMetricFamily(f"nanoserve:{name}", "Draft tokens accepted at each position",
+                                      labels=["model_name", "position"])
+        for i, value in enumerate(stats.spec_decoding.num_accepted_tokens_per_pos):
+            per_pos.add_metric([*self.labels, str(i)], value)
+        yield per_pos
 
 
 class Metrics:

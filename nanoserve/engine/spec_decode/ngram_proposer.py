@@ -1,0 +1,57 @@
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from nanoserve.engine import sequence
+from nanoserve.engine.spec_decode.accounting import num_spec_tokens_allowed
+from nanoserve.speculative_config import SpeculativeConfig
+
+
+class NgramProposer:
+    """Prompt lookup: text that repeats itself (code edits, summaries, quotes) is guessed from its own past.
+
+    Of the request's latest n tokens (n from prompt_lookup_max down to prompt_lookup_min, longest first), find
+    the earliest place they occurred before, and propose the up to k tokens that followed there. The earliest
+    place is vLLM's choice: it has the most tokens after it. No model, no torch: a few numpy passes per request.
+    """
+
+    def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int):
+        self.prompt_lookup_min = prompt_lookup_min
+        self.prompt_lookup_max = prompt_lookup_max
+
+    def propose(self, token_id_lists: Sequence[Sequence[int]], k: int) -> list[list[int]]:
+        """Up to k draft tokens for each request's tokens (prompt + output); [] where nothing matches."""
+        return [self.propose_one(np.asarray(token_ids), k) for token_ids in token_id_lists]
+
+    def propose_one(self, tokens: np.ndarray, k: int) -> list[int]:
+        # Grow the match one token leftwards at a time. `ends` holds the positions e where an earlier
+        # occurrence of the latest n tokens ends (e < last: the suffix itself does not count).
+        last = len(tokens) - 1
+        ends = np.flatnonzero(tokens[:last] == tokens[last]) if last > 0 else np.empty(0, dtype=np.int64)
+        n = 1
+        while ends.size and n < self.prompt_lookup_max:
+            longer = ends[ends >= n]  # room for one more token before the occurrence
+            longer = longer[tokens[longer - n] == tokens[last - n]]
+            if not longer.size:
+                break
+            ends, n = longer, n + 1
+        if not ends.size or n < self.prompt_lookup_min:
+            return []
+        start = ends[0] + 1  # the earliest occurrence of the longest match
+        return tokens[start : start + k].tolist()
+
+
+def propose_drafts(running: Iterable[sequence.Sequence], spec: SpeculativeConfig) -> None:
+    """After a step: set each running sequence's spec_token_ids for the next one, the drafts it will verify.
+    Only a sequence about to decode gets drafts (not one still prefilling its prompt), at most as many as its
+    max_tokens leave room for; none at all in a batch past disable_by_batch_size."""
+    running = list(running)
+    proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    enabled = spec.enabled_for(len(running))
+    for seq in running:
+        k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
+                                    seq.sampling_params.max_tokens)
+        # (A grammar-constrained request or a beam gets none: its matcher, or its search, takes a token a step.)
+        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.beam_search is None
+                    and seq.sampling_params.structured_outputs is None)
+        seq.spec_token_ids = proposer.propose_one(np.asarray(seq.token_ids), k) if enabled and decoding and k else []

@@ -1,0 +1,31 @@
+"""Verification on rank 0 (docs/speculative.md): a step with drafts computes the logits of each request's 1 + k
+positions; the sampler processes every row with the request's options, and the rejection sampler, not a draw,
+picks what to emit. A request without drafts in the same step is a verification of k = 0: a plain draw."""
+import torch
+
+from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+
+rejection_sampler = RejectionSampler()
+
+
+def verify(runner, logits: torch.Tensor, inputs) -> torch.Tensor:
+    """ModelRunner.sample for a step with drafts (inputs: its ModelInput). Returns the token each sampling row
+    emits, PLACEHOLDER_TOKEN_ID past a request's emitted run: 1 + k entries for a request with k drafts, one
+    for any other row, in row order (Scheduler.postprocess reads them so). Records the emitted tokens' logprobs."""
+    num_rows, first_rows, drafts, row = len(inputs.sample_seq_ids), [], [], 0
+    while row < num_rows:  # a request's 1 + k rows are consecutive
+        first_rows.append(row)
+        drafts.append(inputs.spec_decode_tokens.get(inputs.sample_seq_ids[row], []))
+        row += 1 + len(drafts[-1])
+    newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None
+    greedy, probs = runner.sampler.process(logits[:num_rows], inputs.sampling, newest)
+    temperatures = inputs.sampling.temperatures
+    output = rejection_sampler(drafts, greedy, probs, None if temperatures is None else temperatures[first_rows] == 0,
+                               [inputs.sampling.generators[r] for r in first_rows])
+    ks = torch.tensor([len(d) for d in drafts], device=output.device)
+    emitted = output[torch.arange(output.shape[1], device=output.device) <= ks[:, None]]
+    if inputs.logprobs:  # prompt tokens, and the rows that emitted a token (not those after a rejection)
+        tokens = emitted.tolist()
+        runner.record_logprobs(logits, tokens, [(seq, p, row) for seq, p, row in inputs.logprobs
+                                                if p is not None or tokens[row] != PLACEHOLDER_TOKEN_ID])
+    return emitted

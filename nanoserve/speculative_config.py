@@ -1,0 +1,81 @@
+"""Speculative decoding's options, as vLLM spells them: `LLM(..., speculative_config={...})`.
+
+A leaf module (no torch, no transformers), like sampling_params.py, so that config.py can import it.
+"""
+from dataclasses import dataclass, fields
+
+METHODS = ("ngram", "draft_model")
+# Most draft tokens verified per request per step (vLLM's rejection sampler has the same cap): a step computes
+# 1 + k tokens per request, and past a few the chance that all are accepted is tiny.
+MAX_SPEC_LEN = 32
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    """An int (not a bool, not a float such as 3.0 or NaN) in [low, high]."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"speculative_config.{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"speculative_config.{name} must be {bounds}, got {value}")
+
+
+@dataclass
+class SpeculativeConfig:
+    """How to guess tokens ahead. "ngram" (prompt lookup): the request's own tokens propose what followed the
+    latest n-gram earlier on. "draft_model": a smaller model with the same tokenizer runs k cheap steps."""
+
+    method: str | None = None  # "ngram" or "draft_model"; None with a `model` given means "draft_model"
+    num_speculative_tokens: int | None = None  # k: draft tokens proposed and verified per request per step
+    model: str | None = None  # draft_model: the draft model's folder or hub name
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix matched (None: prompt_lookup_max, or 5)
+    prompt_lookup_max: int | None = None  # ngram: longest suffix matched (None: prompt_lookup_min, or 5)
+    disable_by_batch_size: int | None = None  # no speculation in a step with more running requests than this
+
+    @classmethod
+    def from_dict(cls, options: "dict | SpeculativeConfig") -> "SpeculativeConfig":
+        """What `LLM(..., speculative_config=...)` and `--speculative-config JSON` receive."""
+        if isinstance(options, cls):
+            return options
+        if not isinstance(options, dict):
+            raise ValueError(f"speculative_config must be a dict, got {type(options).__name__}")
+        known = [f.name for f in fields(cls)]
+        unknown = sorted(set(options) - set(known))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {unknown}; the keys are {known}")
+        return cls(**options)
+
+    def __post_init__(self) -> None:
+        if self.method is None and self.model is not None:
+            self.method = "draft_model"  # vLLM too infers the method from a model
+        if self.method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens is None:
+            raise ValueError("speculative_config.num_speculative_tokens is required (k >= 1)")
+        _check_int("num_speculative_tokens", self.num_speculative_tokens, 1, MAX_SPEC_LEN)
+        if self.disable_by_batch_size is not None:  # (vLLM's rule: a batch of one always speculates)
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
+        if self.method == "ngram":
+            if self.model is not None:
+                raise ValueError("speculative_config.model is for method='draft_model'; 'ngram' needs no model")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    _check_int(name, getattr(self, name), 1)
+            # vLLM's defaults: neither given, both 5; one given, the other equals it.
+            given = [n for n in (self.prompt_lookup_min, self.prompt_lookup_max) if n is not None] or [5]
+            self.prompt_lookup_min = self.prompt_lookup_min or given[0]
+            self.prompt_lookup_max = self.prompt_lookup_max or given[-1]
+            if self.prompt_lookup_min > self.prompt_lookup_max:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                                 f"prompt_lookup_max ({self.prompt_lookup_max})")
+        else:
+            if not isinstance(self.model, str) or not self.model:
+                raise ValueError(f"speculative_config.model: method='draft_model' needs the draft model's folder "
+                                 f"or name, got {self.model!r}")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} is for method='ngram', not 'draft_model'")
+
+    def enabled_for(self, num_running: int) -> bool:
+        """Does a step with num_running running requests speculate? Big batches already keep the hardware
+        busy, so verifying guesses there costs more than it saves (vLLM's disable_by_batch_size)."""
+        return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
