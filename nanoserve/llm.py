@@ -66,7 +66,7 @@ class LLM:
     @property
     def trace(self) -> list[StepRecord] | None:
         """With LLM(..., trace=True): one StepRecord per engine step so far; else None."""
-        return self.engine.trace
+        return self.engine.recorder.trace
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:

@@ -1,7 +1,6 @@
 import os
 import queue
 from collections import Counter, deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 
@@ -19,7 +18,7 @@ from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
 from nanoserve.engine.structured_output_manager import StructuredOutputManager
-from nanoserve.engine.trace import StepRecord, record_step
+from nanoserve.engine.trace import StepRecorder
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
 
@@ -64,11 +63,7 @@ class EngineCore:
                                                           config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
-        self.trace: list[StepRecord] | None = [] if config.trace else None
-        # Called in this thread with each step's record, and with None when an abort changed the queues and the
-        # blocks between steps (`nanoserve serve --dashboard`). With none and no trace, no record is made.
-        self.step_listeners: list[Callable[[StepRecord | None], None]] = []
-        self.num_recorded_steps = 0
+        self.recorder = StepRecorder(keep=config.trace)  # step records: llm.trace, the dashboard (engine/trace.py)
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
         # On CPU a forward blocks its thread, so the forwards run one after another in a thread of their own.
         # On CUDA the main thread launches them: launches return at once, and the GPU runs while we plan.
@@ -141,8 +136,7 @@ class EngineCore:
             return False
         for seq in request.seqs:
             self.scheduler.finish(seq)
-        for listener in self.step_listeners:
-            listener(None)
+        self.recorder.notify(None)  # the queues and blocks changed between steps
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -206,19 +200,8 @@ class EngineCore:
                 del self.requests[request_id]
         if self.config.speculative_config is not None:  # the next step's drafts (docs/speculative.md)
             propose_drafts(self.scheduler.running, self.config.speculative_config)
-        if self.trace is not None or self.step_listeners:
-            self._record_step(out, list(updated))
+        self.recorder.step(out, updated, self.scheduler)
         return outputs
-
-    def _record_step(self, out: SchedulerOutput, updated: list[Sequence]) -> None:
-        """LLM(..., trace=True) keeps every record (nanoserve/tools/trace.py prints and plots them); each step
-        listener gets it, then and there."""
-        record = record_step(self.num_recorded_steps, out, updated, self.scheduler)
-        self.num_recorded_steps += 1
-        if self.trace is not None:
-            self.trace.append(record)
-        for listener in self.step_listeners:
-            listener(record)
 
     def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:
         """seq's num_new newest tokens (more than 1 with speculative decoding) as text; a stop string in that

@@ -1,6 +1,7 @@
 """Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the queues and
 the KV pool after it. `nanoserve/tools/trace.py` prints and plots them; the server's dashboard
 (`nanoserve serve --dashboard`) streams them. With neither on, nothing here runs."""
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -83,6 +84,30 @@ class StepView:
     labels: dict[int, str]  # each scheduled sequence: its tokens ("8"), "*" if it sampled nothing, "@N" if it
     # started at position N, past its own computation: the N tokens before came from the prefix cache
     hits: dict[int, int]  # prefills that started past their own computation: how many tokens the cache gave
+
+
+class StepRecorder:
+    """Who gets each step's record: `LLM(..., trace=True)` keeps them all in `trace`; each listener (`nanoserve
+    serve --dashboard`) gets it then and there, in the engine's thread, and None when an abort changed the queues
+    and blocks between steps. With no trace and no listener, no record is made."""
+
+    def __init__(self, keep: bool):
+        self.trace: list[StepRecord] | None = [] if keep else None
+        self.listeners: list[Callable[[StepRecord | None], None]] = []
+        self.num_steps = 0
+
+    def step(self, out: SchedulerOutput, updated: Iterable[Sequence], scheduler: Scheduler) -> None:
+        if self.trace is None and not self.listeners:
+            return
+        record = record_step(self.num_steps, out, list(updated), scheduler)
+        self.num_steps += 1
+        if self.trace is not None:
+            self.trace.append(record)
+        self.notify(record)
+
+    def notify(self, record: StepRecord | None) -> None:
+        for listener in self.listeners:
+            listener(record)
 
 
 class StepReader:

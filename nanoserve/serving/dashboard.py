@@ -156,7 +156,7 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
     core = engine.engine_core
     stream = StepStream(core)
     stream.engine = stream.read_engine()  # the server takes no request yet: the engine thread is idle
-    core.step_listeners.append(stream.record)
+    core.recorder.listeners.append(stream.record)
     c = core.config
     config = dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                   max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
