@@ -5,6 +5,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -97,6 +98,15 @@ def converted(tmp_path_factory) -> tuple[Path, Path]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("NANOSERVE_CACHE", str(cache))
         return cache, Path(resolve_model(None))
+
+
+@dataclass
+class Server:
+    """A `nanoserve serve` the tests started (start_server): where it listens, its process, its output."""
+
+    url: str
+    process: subprocess.Popen
+    log: Path
 
 
 def start_server(args: list[str], log: Path, env: dict | None = None) -> tuple[str, subprocess.Popen]:

@@ -6,18 +6,15 @@ import json
 import re
 import shutil
 import signal
-import subprocess
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import start_server
+from conftest import Server, start_server
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.engine.trace import StepRecord
 from nanoserve.serving.app import build_app
@@ -225,13 +222,6 @@ SERVER_FLAGS = ["--dashboard", "--api-key", API_KEY, "--num-kvcache-blocks", "12
 BROWSER = shutil.which("chromium")
 BROWSER_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-    log: Path
 
 
 @pytest.fixture(scope="module")

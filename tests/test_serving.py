@@ -7,9 +7,7 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -19,7 +17,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM
 
-from conftest import start_server
+from conftest import Server, start_server
 from nanoserve import LLM, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -32,13 +30,6 @@ SERVER_FLAGS = ["--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_L
                 "--enable-auto-tool-choice", "--tool-call-parser", "hermes"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-@dataclass
-class Server:
-    url: str
-    process: subprocess.Popen
-    log: Path
 
 
 @pytest.fixture(scope="module")
