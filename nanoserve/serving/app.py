@@ -23,6 +23,7 @@ from starlette.exceptions import HTTPException
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.beam import beam_search_streams, check_beam_fields
 from nanoserve.serving.dashboard import add_dashboard
 from nanoserve.serving.echo import Echo, generate_nothing, make_echo
 from nanoserve.serving.logprobs import LogprobsFormat
@@ -47,9 +48,7 @@ Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta outpu
 
 # ---- from the request to the engine ----------------------------------------------------------------
 def refuse_unsupported(request: SamplingRequest) -> None:
-    if request.use_beam_search:  # declared so that it is refused, not silently ignored and sampled instead
-        raise APIError(400, "use_beam_search: the server does not run beam search yet; LLM.beam_search "
-                       "(docs/beam_search.md) does, offline", "use_beam_search")
+    check_beam_fields(request)  # beam search's fields without it, or sampling's with it
     if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
@@ -242,17 +241,20 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         for p in prompts:
             check_length(request, p, max_tokens, config.max_model_len)
         structured = structured_outputs_params(request, tool_call_parser)  # response_format, tools, ...
+        request_id = uuid.uuid4().hex
         try:
-            params = [sampling_params(request, max_tokens, config.max_model_len - len(p), structured) for p in prompts]
-            for ids, sp in zip(prompts, params):
-                core.check_request(ids, sp, request.priority)
+            if request.use_beam_search:  # vLLM's extension (serving/beam.py)
+                streams = beam_search_streams(engine, request, prompts, max_tokens, request_id)
+            else:
+                params = [sampling_params(request, max_tokens, config.max_model_len - len(p), structured)
+                          for p in prompts]
+                for ids, sp in zip(prompts, params):
+                    core.check_request(ids, sp, request.priority)
+                streams = [engine.generate(ids, sp, request_id=f"{request_id}-{i}", priority=request.priority)
+                           for i, (ids, sp) in enumerate(zip(prompts, params))]
         except ValueError as e:
             raise as_api_error(e, request) from e
-        request_id = uuid.uuid4().hex
-        streams = [metrics.observe(engine.generate(ids, sp, request_id=f"{request_id}-{i}",
-                                                   priority=request.priority), arrival)
-                   for i, (ids, sp) in enumerate(zip(prompts, params))]
-        return merge(streams, app.state.shutting_down)
+        return merge([metrics.observe(stream, arrival) for stream in streams], app.state.shutting_down)
 
     async def answer(request: SamplingRequest, raw: Request, prompts: list[list[int]], max_tokens: int | None,
                      chat: bool, echo: Echo | None = None):
