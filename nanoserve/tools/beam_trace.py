@@ -67,9 +67,9 @@ def format_beam_trace(trace: list[StepRecord]) -> str:
         tables = " ".join(f"{name}:[{' '.join(map(str, t))}]" for name, t in s.tables.items()) or "-"
         shared = " ".join(f"{b}:{n}" for b, n in sorted(s.holders.items()) if n > 1) or "-"
         copies = " ".join(f"{a}->{b}" for a, b in s.copies) or "-"
-        events = [f"{child} forks from {parent}" for child, parent in s.forks]
-        events += [f"{name} freed" for name in s.freed]
-        lines.append(f"{s.step:>4}  {s.kind:<7}  {tables:<34}  {shared:<18}  {copies:<12}  {', '.join(events)}")
+        events = ", ".join([f"{child} forks from {parent}" for child, parent in s.forks]
+                           + [f"{name} freed" for name in s.freed])
+        lines.append(f"{s.step:>4}  {s.kind:<7}  {tables:<34}  {shared:<18}  {copies:<12}  {events}".rstrip())
     return "\n".join(lines)
 
 
