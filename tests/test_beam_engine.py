@@ -83,6 +83,26 @@ def test_block_books(tiny_models):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_beam_rows_skip_the_sampler(tiny_models):
+    """Nothing is drawn for a beam: beside a beam search in the same batches, the sampler sees only the other
+    request's row each step, and both give what they give alone."""
+    llm = LLM(tiny_models["qwen3"], **OPTIONS)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    beam_alone = [c.token_ids for c in llm.beam_search([PROMPTS[0]], params, use_tqdm=False)[0].outputs]
+    greedy_alone = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    rows = []
+    llm.engine.model_runner.sampler.register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
+    llm.engine.add_beam_request("beams", PROMPTS[0], params)
+    llm.engine.add_request("greedy", PROMPTS[1], greedy)
+    tokens = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    assert rows == [1] * 6  # the greedy request's row in each of the 6 steps, never a beam's
+    assert [tokens["beams", i] for i in range(3)] == beam_alone and tokens["greedy", 0] == greedy_alone
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_equal_results(tiny_models, mode):
     prompts = random_prompts(4, seed=3, low=6, high=12)

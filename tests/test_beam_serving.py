@@ -4,13 +4,17 @@ same model, through the official `openai` client (extra_body) and plain HTTP; ev
 One server for the module on the demo model (conftest's `converted`), with --max-num-seqs 8.
 """
 import time
+from types import SimpleNamespace
 
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Server, start_server
 from nanoserve import LLM, BeamSearchParams
+from nanoserve.serving.beam import beam_search_streams
+from nanoserve.serving.protocol import APIError, CompletionRequest
 
 MODEL = "smollm2"
 MAX_MODEL_LEN = 256
@@ -114,6 +118,24 @@ def test_client_that_leaves_aborts_the_search(server):
     assert response.status_code == 200 and len(response.json()["choices"]) == 2
 
 
+def test_metrics_time_the_search_but_count_no_time_per_token(server):
+    """A search answers whole: its latency and time to first token are observed, a time per token is not."""
+    def counts() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics").text
+        return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples
+                if s.name.endswith("_count")}
+
+    before = counts()
+    response = httpx.post(f"{server.url}/v1/completions", timeout=60,
+                          json={"prompt": PROMPTS, "use_beam_search": True, "n": 2, "max_tokens": 4})
+    assert response.status_code == 200
+    after = counts()
+    for name, added in (("e2e_request_latency_seconds", 2), ("time_to_first_token_seconds", 2),
+                        ("time_per_output_token_seconds", 0)):
+        key = f"nanoserve:{name}_count"
+        assert after[key] - before[key] == added, name
+
+
 BEAM = {"use_beam_search": True, "max_tokens": 4}
 BAD_REQUESTS = [  # (route, body, param)
     ("completions", {"prompt": "Hi", **BEAM, "n": 2, "stream": True}, "stream"),
@@ -169,3 +191,16 @@ def test_best_of_equal_to_n_is_plain_sampling(client):
     """OpenAI's legacy completions default best_of to n: without use_beam_search that is sampling as usual."""
     response = client.completions.create(model=MODEL, prompt=PROMPTS[0], n=1, best_of=1, max_tokens=3, temperature=0)
     assert len(response.choices) == 1
+
+
+def test_the_engines_width_limit_names_the_clients_field():
+    """The engine's own refusal of a width (more candidates than the vocabulary holds) names n or best_of."""
+    def refuse(ids, params):
+        raise ValueError(f"beam_width ({params.beam_width}): each step ranks 8 candidates, more than 6 tokens")
+
+    core = SimpleNamespace(config=SimpleNamespace(max_model_len=64, max_num_seqs=8), check_beam_request=refuse)
+    for fields, param in (({"n": 4}, "n"), ({"n": 2, "best_of": 4}, "best_of")):
+        request = CompletionRequest(prompt="Hi", use_beam_search=True, max_tokens=4, **fields)
+        with pytest.raises(APIError) as error:
+            beam_search_streams(SimpleNamespace(engine_core=core), request, [[5, 6]], 4, "r")
+        assert error.value.param == param and error.value.message.startswith(f"{param}: beam_width (4)")

@@ -21,19 +21,19 @@ from nanoserve.sampling_params import SamplingParams
 
 
 def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
-    """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of blocks, greedy
-    rows (the runner's draw for a beam row is ignored: the beam step picks), and no EOS stop of their own."""
+    """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of blocks, and no
+    EOS stop of their own. (Nothing is drawn for a beam: its row skips the sampler, and the beam step picks.)"""
     return SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
 
 
 class BeamRequest(Request):
     """A beam search's request: `seqs` are its live beams, in `search.beams` order (best first)."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, *,
-                 eos_token_ids: list[int], block_size: int, seq_ids: Iterator[int]):
-        super().__init__(request_id, prompt_token_ids, beam_sampling_params(params), block_size=block_size,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, config: Config,
+                 seq_ids: Iterator[int]):
+        super().__init__(request_id, prompt_token_ids, beam_sampling_params(params), block_size=config.block_size,
                          seq_ids=seq_ids)
-        self.params, self.eos_token_ids, self.seq_ids = params, eos_token_ids, seq_ids
+        self.params, self.eos_token_ids, self.seq_ids = params, config.eos_token_ids, seq_ids
         self.num_cached_tokens = 0
         self.restart()
 

@@ -124,9 +124,8 @@ class EngineCore:
         self.check_beam_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self.requests[request_id] = request = BeamRequest(request_id, prompt_token_ids, params, seq_ids=self.seq_ids,
-                                                          eos_token_ids=self.config.eos_token_ids,
-                                                          block_size=self.config.block_size)
+        request = BeamRequest(request_id, prompt_token_ids, params, self.config, self.seq_ids)
+        self.requests[request_id] = request
         self.scheduler.add(request.first_seq)
 
     def abort_request(self, request_id: str) -> bool:

@@ -35,19 +35,22 @@ def check_beam_fields(request: SamplingRequest) -> None:
             raise APIError(400, f"{name}: not with use_beam_search (beam search does not sample)", name)
 
 
+def width_field(request: SamplingRequest) -> str:
+    """The field that sets the beam width, as the client wrote it: the errors about the width name it."""
+    return "n" if request.best_of is None else "best_of"
+
+
 def beam_search_params(request: SamplingRequest, max_tokens: int | None, room: int,
                        max_num_seqs: int) -> BeamSearchParams:
-    """room: what max_model_len leaves after the prompt, the default max_tokens. The width's limits name the
-    field the client wrote (n or best_of)."""
-    width_field = "n" if request.best_of is None else "best_of"
-    width = getattr(request, width_field)
+    """room: what max_model_len leaves after the prompt, the default max_tokens."""
+    field = width_field(request)
+    width = getattr(request, field)
     if request.n < 1:
         raise APIError(400, f"n must be >= 1, got {request.n}", "n")
     if width < request.n:
         raise APIError(400, f"best_of must be >= n ({request.n}), got {width}", "best_of")
     if width > max_num_seqs:  # a request's beams run together, each a sequence
-        raise APIError(400, f"{width_field}: a beam width of {width} exceeds max_num_seqs ({max_num_seqs})",
-                       width_field)
+        raise APIError(400, f"{field}: a beam width of {width} exceeds max_num_seqs ({max_num_seqs})", field)
     return BeamSearchParams(beam_width=width, max_tokens=max(room, 1) if max_tokens is None else max_tokens,
                             ignore_eos=request.ignore_eos, temperature=request.temperature,
                             length_penalty=request.length_penalty, early_stopping=request.early_stopping)
@@ -63,10 +66,9 @@ def beam_search_streams(engine, request: SamplingRequest, prompts: list[list[int
     for ids, bp in zip(prompts, params):
         try:
             engine.engine_core.check_beam_request(ids, bp)
-        except ValueError as e:  # the engine's own limit on the width (more candidates than tokens): the field
-            if str(e).startswith("beam_width"):  # the client wrote is n or best_of
-                width_field = "n" if request.best_of is None else "best_of"
-                raise APIError(400, f"{width_field}: {e}", width_field) from e
+        except ValueError as e:  # the engine's own limit on the width: more candidates than the vocabulary holds
+            if str(e).startswith("beam_width"):
+                raise APIError(400, f"{width_field(request)}: {e}", width_field(request)) from e
             raise
     return [n_best(engine.beam_search(ids, bp, request_id=f"{request_id}-{i}"), request.n)
             for i, (ids, bp) in enumerate(zip(prompts, params))]
