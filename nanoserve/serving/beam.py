@@ -66,10 +66,13 @@ def beam_search_streams(engine, request: SamplingRequest, prompts: list[list[int
     for ids, bp in zip(prompts, params):
         try:
             engine.engine_core.check_beam_request(ids, bp)
-        except ValueError as e:  # the engine's own limit on the width: more candidates than the vocabulary holds
-            if str(e).startswith("beam_width"):
-                raise APIError(400, f"{width_field(request)}: {e}", width_field(request)) from e
-            raise
+        except ValueError as e:  # the engine's limits on beam search itself, as the client's fields: the width
+            # (more candidates than the vocabulary holds), or the server's options (--async-scheduling, ...)
+            prefixes = {"beam_width": width_field(request), "beam search:": "use_beam_search"}
+            field = next((f for prefix, f in prefixes.items() if str(e).startswith(prefix)), None)
+            if field is None:
+                raise
+            raise APIError(400, f"{field}: {e}", field) from e
     return [n_best(engine.beam_search(ids, bp, request_id=f"{request_id}-{i}"), request.n)
             for i, (ids, bp) in enumerate(zip(prompts, params))]
 
