@@ -118,6 +118,29 @@ def test_preemption_gives_equal_results(tiny_models, mode):
     assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
 
 
+@pytest.mark.parametrize("budget", [4, 6, 7, 16])
+def test_chunked_prefill_gives_equal_results(tiny_models, budget):
+    """With enable_chunked_prefill the token budget cuts the prompts into chunks and, at 6 or 7 tokens, runs only
+    part of a request's beams in some steps (those compute their token again with the others the next step):
+    the same results as without, every block free at the end."""
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    plain = LLM(tiny_models["qwen3"], **OPTIONS).beam_search(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_models["qwen3"], **OPTIONS, enable_chunked_prefill=True, max_num_batched_tokens=budget)
+    partial, schedule = [], llm.engine.scheduler.schedule
+
+    def schedule_and_watch():
+        out = schedule()
+        ran = {s.seq_id for s, do_sample in zip(out.seqs, out.do_sample) if do_sample}
+        partial.extend(0 < sum(s.seq_id in ran for s in r.seqs) < len(r.seqs) for r in llm.engine.requests.values())
+        return out
+
+    llm.engine.scheduler.schedule = schedule_and_watch
+    chunked = llm.beam_search(PROMPTS, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in chunked] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert llm.stats.num_chunked_prefills > 0 and any(partial) == (budget in (6, 7))
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
+
+
 def test_demo_model(converted):
     """The demo model (SmolLM2-135M-Instruct) on a real prompt, with its own EOS, against transformers."""
     path = str(converted[1])
@@ -137,7 +160,8 @@ def test_demo_model(converted):
     ({}, dict(beam_width=8, max_tokens=60), ["max_tokens (60)", "max_model_len"]),
     ({"num_kvcache_blocks": 30}, dict(beam_width=8, max_tokens=40), ["KV blocks", "num_kvcache_blocks is 30"]),
     ({"async_scheduling": True}, dict(beam_width=2, max_tokens=4), ["async_scheduling"]),
-    ({"enable_chunked_prefill": True}, dict(beam_width=2, max_tokens=4), ["enable_chunked_prefill"]),
+    ({"enable_chunked_prefill": True, "max_num_batched_tokens": 3}, dict(beam_width=4, max_tokens=4),
+     ["beam_width (4)", "max_num_batched_tokens (3)"]),  # a step could never run all the beams
 ])
 def test_refused_before_work(tiny_models, options, params, words):
     llm = LLM(tiny_models["qwen3"], **{**OPTIONS, **options})

@@ -61,8 +61,11 @@ class BeamScheduler:
         if self.config.async_scheduling:  # each step's beams decide the next batch: it cannot be planned ahead
             raise ValueError("beam search: not with async_scheduling=True (the next step's batch depends on "
                              "this step's beams); create the LLM with async_scheduling=False")
-        if self.config.enable_chunked_prefill:  # its token budget could run part of a request's beams only
-            raise ValueError("beam search: not with enable_chunked_prefill=True; create the LLM without it")
+        if self.config.enable_chunked_prefill and params.beam_width > self.config.max_num_batched_tokens:
+            # a step that runs part of a request's beams computes them again with the others the next step:
+            # a budget below the width would never run them all
+            raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) with enable_chunked_prefill=True")
         if params.beam_width > self.config.max_num_seqs:  # a request's beams run together
             raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         search, vocab_size = BeamSearch(params, self.config.eos_token_ids), self.config.hf_config.vocab_size
