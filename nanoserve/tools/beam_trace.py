@@ -37,6 +37,9 @@ class BeamStep:
     freed: list[str]  # beams without a child (or done): their blocks went back, unless another beam holds them
     num_tokens: int  # tokens in each beam's KV after the step (a search's beams all have the same length)
 
+    def events(self) -> list[str]:
+        return [f"{child} forks from {parent}" for child, parent in self.forks] + [f"{b} freed" for b in self.freed]
+
 
 def beam_steps(trace: list[StepRecord]) -> list[BeamStep]:
     """The records read as a beam search's steps (one request in the trace); beams are named A, B, C... in the
@@ -67,8 +70,7 @@ def format_beam_trace(trace: list[StepRecord]) -> str:
         tables = " ".join(f"{name}:[{' '.join(map(str, t))}]" for name, t in s.tables.items()) or "-"
         shared = " ".join(f"{b}:{n}" for b, n in sorted(s.holders.items()) if n > 1) or "-"
         copies = " ".join(f"{a}->{b}" for a, b in s.copies) or "-"
-        events = ", ".join([f"{child} forks from {parent}" for child, parent in s.forks]
-                           + [f"{name} freed" for name in s.freed])
+        events = ", ".join(s.events())
         lines.append(f"{s.step:>4}  {s.kind:<7}  {tables:<34}  {shared:<18}  {copies:<12}  {events}".rstrip())
     return "\n".join(lines)
 
@@ -102,8 +104,7 @@ def plot_beam_blocks(trace: list[StepRecord], path: str, block_size: int, title:
         for side in ("top", "right", "bottom", "left"):
             ax.spines[side].set_visible(False)
         ax.set_title(f"step {s.step} ({s.kind}): {s.num_tokens} tokens in KV", fontsize=9)
-        events = [f"{c} forks from {p}" for c, p in s.forks] + [f"{name} freed" for name in s.freed]
-        events += [f"copy {a}\u2192{b}" for a, b in s.copies]
+        events = s.events() + [f"copy {a}\u2192{b}" for a, b in s.copies]
         if not s.tables:
             ax.text(0, 0.5, "search done:\nevery beam's blocks freed", fontsize=9, va="center")
         ax.set_xlabel("; ".join(events), fontsize=8.5)
