@@ -162,10 +162,10 @@ class Config:
         spec = self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if spec.method == "draft_model":
             self._read_draft_model(spec.model)
-        if self.async_scheduling:
-            raise ValueError("speculative_config with async_scheduling=True is not supported yet: the next step "
-                             "would be planned before this one's drafts are verified, so neither its drafts nor "
-                             "how far its num_computed_tokens rolls back would be known; turn one of them off")
+        if self.async_scheduling and spec.method == "draft_model":
+            raise ValueError("speculative_config.method='draft_model' with async_scheduling=True is not supported: "
+                             "the draft runs over each planned step on the host's view of the tokens, and those of "
+                             "the step in flight are not known yet; use 'ngram', or turn async_scheduling off")
 
     def _read_draft_model(self, path: str) -> None:
         """The draft model proposes token ids of the target's vocabulary, and its layers become more layers of

@@ -160,7 +160,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """A token id per sampling row (layers/sampler.py tells which), as a device tensor; kept for the next
         step's placeholders. The logprobs asked for are recorded on their sequences."""
-        if inputs.spec_decode_tokens:  # speculative decoding: verify drafts (async scheduling is off then)
+        if inputs.spec_decode_tokens:  # speculative decoding: verify drafts (docs/speculative.md)
             return verify(self, logits, inputs)
         num_rows = len(inputs.sample_seq_ids)
         newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None

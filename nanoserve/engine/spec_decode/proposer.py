@@ -20,6 +20,8 @@ def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> None
     ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
     enabled = spec.enabled_for(len(running))
     for seq in running:
+        if seq.num_output_placeholders:  # async scheduling: a step in flight computes it (and keeps its drafts)
+            continue
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)
         # (A grammar-constrained request or a beam gets none: its matcher, or its search, takes a token a step.)
