@@ -81,8 +81,9 @@ class Executor:
         except BaseException:
             self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
             raise
-        draft_model = self.model_runner.draft_model  # speculative decoding with a draft model (one rank)
-        self.drafter = draft_model and DraftModelProposer(draft_model, InputBuilder.from_config(config))
+        self.drafter = None  # speculative decoding with a draft model (rank 0 only: tensor_parallel_size 1)
+        if self.model_runner.draft_model is not None:
+            self.drafter = DraftModelProposer(self.model_runner.draft_model, InputBuilder.from_config(config))
 
     def _start_workers(self, config: Config) -> None:
         with socket.socket() as s:  # a free port for the group to meet on
