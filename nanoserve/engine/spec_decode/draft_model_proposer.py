@@ -44,14 +44,12 @@ class DraftModelProposer:
             if k:
                 speculating.append((seq, start + num_tokens - k - 1, k))
         drafts = self.forward(chunks, [bool(seq.spec_token_ids) for seq in out.seqs])
-        j = 1
-        while speculating:  # drafts[i]: draft j of speculating[i]
-            for (seq, _, _), token_id in zip(speculating, drafts):
+        for j in range(1, max((k for _, _, k in speculating), default=0) + 1):
+            speculating = [s for s in speculating if s[2] >= j]  # drafts[i]: draft j of speculating[i]
+            for (seq, _, _), token_id in zip(speculating, drafts, strict=True):
                 seq.spec_token_ids[j - 1] = token_id
             drafts = self.forward([(seq, newest + j, [seq.spec_token_ids[j - 1]]) for seq, newest, _ in speculating],
                                   [k > j for _, _, k in speculating])
-            speculating = [s for s in speculating if s[2] > j]
-            j += 1
         if not out.scheduled_spec_decode_tokens:
             return inputs
         for seq in out.seqs:
