@@ -17,7 +17,7 @@ from nanoserve.engine.spec_decode.accounting import draft_rows
 from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
-from nanoserve.utils.math import cdiv
+from nanoserve.utils.math import token_slots
 
 LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
 
@@ -80,23 +80,12 @@ class InputBuilder:
             positions.extend(range(start, end))
             q_lens.append(num_tokens)
             context_lens.append(end)
-            # Token p goes to slot block_table[p // bs] * bs + p % bs: one range per block it touches.
-            for i in range(start // bs, cdiv(end, bs)):
-                base = (seq.block_table[i] - i) * bs
-                slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
+            slot_mapping.extend(token_slots(seq.block_table, start, end, bs))
             if do_sample:  # the rows of its newest token and its drafts; n > 1: the last row again for every fork
                 rows = logits_rows if seq.beam_search is None else beam_rows  # a beam's: scored raw, nothing drawn
                 rows += [*range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))]
                 rows += [len(input_ids) - 1] * len(forks)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._padded([seq.block_table for seq in out.seqs], -1, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
-            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(context_lens),
-        )
+        meta = self.attention_metadata([seq.block_table for seq in out.seqs], slot_mapping, q_lens, context_lens)
         samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                     if do_sample and seq.beam_search is None for s in [*draft_rows(seq), *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
@@ -110,6 +99,16 @@ class InputBuilder:
             placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
             beam_rows=list(range(len(logits_rows), len(logits_rows + beam_rows))))
+
+    def attention_metadata(self, block_tables: list[list[int]], slot_mapping: list[int], q_lens: list[int],
+                           context_lens: list[int]) -> AttentionMetadata:
+        """Where a batch's new tokens go in the paged cache, and what each sequence attends to."""
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64), context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._padded(block_tables, -1, torch.int32),
+            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens))
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
