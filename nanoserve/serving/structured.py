@@ -68,8 +68,6 @@ def tool_mode(request: SamplingRequest, tool_call_parser: str | None) -> str | N
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice: needs tools", "tool_choice")
         return None
-    if request.stream:  # tool calls are parsed out of the whole answer
-        raise APIError(400, "stream: tool calls are answered whole; streaming with tools is not supported", "stream")
     choice = choice or "auto"
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")
