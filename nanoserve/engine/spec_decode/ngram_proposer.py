@@ -51,7 +51,8 @@ def propose_drafts(running: Iterable[sequence.Sequence], spec: SpeculativeConfig
     for seq in running:
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)
-        # (A grammar-constrained request or a beam gets none: its matcher, or its search, takes a token a step.)
-        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.beam_search is None
-                    and seq.sampling_params.structured_outputs is None)
+        # (A beam gets none: its search takes a token a step. A grammar keeps the drafts it allows.)
+        decoding = seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.beam_search is None
         seq.spec_token_ids = proposer.propose_one(np.asarray(seq.token_ids), k) if enabled and decoding and k else []
+        if seq.grammar is not None:
+            seq.spec_token_ids = seq.grammar.valid_drafts(seq.spec_token_ids)
