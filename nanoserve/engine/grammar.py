@@ -10,6 +10,7 @@ what the grammar allows, and `fill_bitmask` fills a row per drafted position by 
 them back (`rollback` undoes accepted tokens); after verification only the emitted tokens are accepted.
 """
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
@@ -66,7 +67,7 @@ class GrammarMatcher:
     def __init__(self, compiled: xgr.CompiledGrammar):
         self.matcher = xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft_token_ids: list[int] = ()) -> None:
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft_token_ids: Sequence[int] = ()) -> None:
         """Write the tokens allowed next into bitmask[row] (a CPU tensor from `allocate_bitmask`). With k draft
         tokens (speculative decoding, from `valid_drafts`), rows row .. row + k: those allowed after each prefix
         of the drafts, one row per position the target verifies; the matcher is left where it was."""
