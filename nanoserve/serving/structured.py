@@ -7,6 +7,7 @@
   of the tools' argument schemas each; a named function: to that function's argument schema alone.
 - `tool_choice` "auto" (the server started with --enable-auto-tool-choice --tool-call-parser hermes): the output
   is free; the hermes parser takes each <tool_call>{"name": ..., "arguments": {...}}</tool_call> out of the text.
+Streamed, the calls come as deltas (serving/tool_stream.py); calls in the chat history: serving/tool_messages.py.
 """
 import json
 import re
