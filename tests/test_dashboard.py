@@ -16,9 +16,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Server, start_server
 from nanoserve import LLM, AsyncLLM, SamplingParams
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.engine.trace import StepRecord
 from nanoserve.serving.app import build_app
-from nanoserve.serving.dashboard import PAGE, StepStream, stream_steps
+from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
 from nanoserve.tools.trace import STATES
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
@@ -215,9 +216,12 @@ def test_page_colours_are_the_trace_tools():
 API_KEY = "sk-dashboard"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # 12 blocks of 16 tokens and 4 sequences: four requests of 54-60 tokens that grow by 40 need 17 blocks, so one
-# is preempted; its KV goes to 7 blocks of host memory (--swap-space: 0.005 GiB, at 0.7 MB a block).
+# is preempted; its KV goes to 7 blocks of host memory (--swap-space: 0.005 GiB, at 0.7 MB a block). N-gram
+# speculation: the demo model's greedy text repeats itself, so drafts are proposed and some accepted.
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 SERVER_FLAGS = ["--dashboard", "--api-key", API_KEY, "--num-kvcache-blocks", "12", "--max-num-seqs", "4",
                 "--preemption-mode", "swap", "--swap-space", "0.005", "--max-model-len", "256",
+                "--speculative-config", json.dumps(NGRAM),
                 "--shutdown-timeout", "10", "--uvicorn-log-level", "warning"]
 BROWSER = shutil.which("chromium")
 BROWSER_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
@@ -255,6 +259,7 @@ def test_endpoints_need_the_api_key(server):
         name, data = text.split("\n")
         config = json.loads(data.removeprefix("data: "))
         assert status == 200 and name == "event: config" and config["block_size"] == 16
+        assert config["speculative_config"]["method"] == "ngram"
     # A browser: the key in the link becomes a cookie (its EventSource sends cookies, not headers), and the
     # address bar loses it.
     response = httpx.get(f"{server.url}/dashboard?steps=60&api_key={API_KEY}")
@@ -309,6 +314,10 @@ def test_page_in_a_browser(server, tmp_path):
                 host: document.querySelectorAll("#host-grid .block[data-state=host]").length,
                 swap_marker: document.querySelectorAll("#timeline .marker[data-event=swapped_out]").length,
                 hits: [...document.querySelectorAll("#events .event[data-kind=hit]")].map(e => e.textContent),
+                spec: document.querySelectorAll("#timeline .spec").length,
+                accepted: [...document.querySelectorAll("#timeline .spec")].filter(
+                    g => g.dataset.accepted > 0 && g.querySelector("rect + rect").getAttribute("width") > 0).length,
+                accepted_tokens: document.querySelectorAll("#timeline .tokens[data-kind=accepted]").length,
             })""")
 
         threads = []
@@ -322,12 +331,15 @@ def test_page_in_a_browser(server, tmp_path):
             now = count()
             if now["swapped"] and not seen.get("swapped"):
                 page.screenshot(path=tmp_path / "dashboard.png")
+            if now["accepted"] and not seen.get("accepted"):
+                page.screenshot(path=tmp_path / "dashboard_spec.png")
             for key, value in now.items():
                 seen[key] = max(seen.get(key, 0), len(value) if key == "hits" else value)
             time.sleep(0.05)
         page.wait_for_selector("#status[data-status=idle]")
         final = count()
-        counters = {c: page.inner_text(f"#{c} b") for c in ("c-preemptions", "c-swaps", "c-cache")}
+        counters = {c: page.inner_text(f"#{c} b") for c in ("c-preemptions", "c-swaps", "c-cache", "c-spec")}
+        legend = page.inner_text("#timeline-legend")
         metrics = scrape(server)
         page.screenshot(path=tmp_path / "dashboard_idle.png")
         # A client that hangs up aborts its request: with nothing else running, no step follows, and the page
@@ -340,7 +352,7 @@ def test_page_in_a_browser(server, tmp_path):
         page.wait_for_selector("#status[data-status=idle]")
         aborted = count()
         browser.close()
-    print(f"screenshots: {tmp_path}/dashboard.png, dashboard_idle.png")
+    print(f"screenshots: {tmp_path}/dashboard.png, dashboard_spec.png, dashboard_idle.png")
     assert not errors
     assert seen["running"] >= 3 and seen["swapped"] >= 1 and seen["used"] >= 6
     assert seen["shared"] >= 3 and seen["host"] >= 1 and seen["swap_marker"] >= 1
@@ -353,6 +365,60 @@ def test_page_in_a_browser(server, tmp_path):
     assert counters["c-preemptions"] == str(int(metrics["nanoserve:num_preemptions_total"]))
     assert int(counters["c-swaps"]) >= 1
     assert counters["c-cache"].startswith(f"{int(metrics['nanoserve:prefix_cache_hits_total'])} (")
+    # Speculative decoding: cells with a drafts' bar, some of it green, green in the token bars; the header's
+    # count of draft tokens accepted is /metrics', and the legend says what the marks mean.
+    assert seen["spec"] >= 1 and seen["accepted"] >= 1 and seen["accepted_tokens"] >= 1
+    accepted, drafts = (int(metrics[f"nanoserve:spec_decode_num_{n}_tokens_total"]) for n in ("accepted", "draft"))
+    assert 0 < accepted < drafts and counters["c-spec"] == f"{accepted}/{drafts} ({round(100 * accepted / drafts)}%)"
+    assert "draft tokens accepted" in legend and "draft tokens rejected" in legend
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+def test_page_shows_beams_forking(tiny_models, tmp_path):
+    """The page fed the records of a real beam search (two requests, 3 beams each; the server has no beam search
+    yet, so Playwright serves the page and one recorded stream, and nothing goes to the network): a fork line for
+    each fork, a square for each dropped beam, each request's beams in rows of their own, the steps' beam events,
+    the legend, and the block grid mid-search: the blocks the beams share, numbered with their ref counts."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="`pip install playwright` to run it")
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=32)
+    llm.beam_search([[5, 6, 7, 8, 9, 10], [11, 12, 13]], BeamSearchParams(beam_width=3, max_tokens=6),
+                    use_tqdm=False)
+    steps = records(stream)
+    shown = next(i for i, state in enumerate(states) if i >= 3 and any(ref > 1 for ref, _, _ in state["blocks"]))
+    steps = steps[: shown + 1]  # the search as the page saw it after step `shown`, its beams still running
+    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(
+        "steps", dict(steps=steps, dropped=0, engine=states[shown]))
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=BROWSER, args=BROWSER_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 900})
+        errors = []
+        page.on("pageerror", lambda error: errors.append(error))
+        page.route("**/dashboard", lambda route: route.fulfill(body=PAGE.read_text(), content_type="text/html"))
+        page.route("**/debug/steps", lambda route: route.fulfill(body=body, content_type="text/event-stream"))
+        page.goto("http://nanoserve.test/dashboard")
+        page.wait_for_selector("#timeline .fork")
+        page.screenshot(path=tmp_path / "dashboard_beams.png")
+        forks = page.eval_on_selector_all("#timeline .fork", "gs => gs.map(g => [+g.dataset.seq, +g.dataset.parent])")
+        drops = page.eval_on_selector_all("#timeline .marker[data-event=dropped]", "ms => ms.map(m => +m.dataset.seq)")
+        rows = page.eval_on_selector_all("#timeline text[font-weight=bold]", "ts => ts.map(t => t.textContent)")
+        beam_events = page.eval_on_selector_all("#events .event[data-kind=beams]", "es => es.map(e => e.textContent)")
+        legend = page.inner_text("#timeline-legend")
+        shared = page.eval_on_selector_all("#kv-grid .block[data-state=shared]", "bs => bs.map(b => b.textContent)")
+        browser.close()
+    print(f"screenshot: {tmp_path}/dashboard_beams.png")
+    assert not errors
+    assert forks == [list(pair) for s in steps for pair in s["forked"]] and len(forks) >= 6
+    assert drops == [seq for s in steps for seq in s["dropped"]] and drops
+    root = {b["seq"]: b["seq"] for b in steps[0]["batch"]}  # each beam's request: its first beam, the prompt's
+    for child, parent in forks:
+        root[child] = root[parent]
+    order = [root[int(row.removeprefix("R"))] for row in rows]
+    assert order == sorted(order) and len(set(order)) == 2  # each request's beams together
+    assert len(beam_events) == sum(bool(s["forked"] or s["dropped"]) for s in steps[-12:])
+    assert all(re.fullmatch(r"step \d+●beams: .*(forked \(sharing its blocks\)|dropped \(blocks freed\))", e)
+               for e in beam_events)
+    assert "a beam forks" in legend and "a beam is dropped" in legend
+    assert shared == [str(ref) for ref, _, _ in states[shown]["blocks"] if ref > 1] and shared
 
 
 def test_sigterm_ends_the_stream_at_once(server):
