@@ -19,7 +19,7 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step
     start: int  # position of the first of them (num_computed_tokens before the step)
     sampled: bool  # the step reached the request's end, so a next token was sampled (async scheduling: maybe dropped)
-    is_decode: bool  # computed just its newest token, one the model generated
+    is_decode: bool  # computed just its newest token, one the model generated (and its drafts, if any)
     # Speculative decoding: the draft tokens it verified (num_tokens counts them too), and how many passed.
     spec_token_ids: list[int] = field(default_factory=list)
     num_accepted_tokens: int = 0

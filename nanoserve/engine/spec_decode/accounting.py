@@ -77,9 +77,8 @@ def free_tail(block_manager: BlockManager, seq: Sequence, num_tokens: int) -> No
 
 def accept_tokens(scheduler, out: SchedulerOutput, seq: Sequence, start: int, drafts: list[int],
                   row: list[int]) -> list[Sequence]:
-    """Take in seq's verification, a row of step `out`, for the Scheduler (its postprocess, which imports this
-    module, so untyped):
-    row holds the rejection sampler's 1 + k outputs, the emitted tokens then PLACEHOLDER_TOKEN_IDs.
+    """Take in seq's verification in step `out` for the Scheduler (its postprocess, which imports this module,
+    so untyped): row holds the rejection sampler's 1 + k outputs, the emitted tokens then PLACEHOLDER_TOKEN_IDs.
     num_computed_tokens rolls back over the rejected drafts; the emitted tokens are appended one at a time,
     each checked for EOS, stop tokens and max_tokens (the rest dropped); only blocks full of verified tokens
     are hashed; the blocks past them go back. Returns seq once per token appended."""
