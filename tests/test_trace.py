@@ -180,13 +180,18 @@ def test_trace_under_async_scheduling(tiny_models):
 
 
 # ---- speculative decoding and beam search in the records ----------------------------------------------------
-def test_speculative_drafts_are_recorded(tiny_models, monkeypatch):
+@pytest.mark.parametrize("scheduling", [
+    dict(num_kvcache_blocks=64),
+    # a token budget that trims drafts and mixes them with prompt chunks; a pool that forces preemptions
+    dict(num_kvcache_blocks=24, enable_chunked_prefill=True, max_num_batched_tokens=12),
+], ids=["default", "chunked-preempting"])
+def test_speculative_drafts_are_recorded(tiny_models, monkeypatch, scheduling):
     """trace=True with n-gram speculation: each verifying sequence's drafts and how many passed, per step, adding
     up to llm.stats.spec_decoding; a verify step is a decode (1 + k tokens), and the table and the timeline show
     the drafts. Tracing changes no token; without it, no record is made."""
     prompts = repetitive_prompts(6, seed=1)
     params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
-    options = dict(block_size=4, num_kvcache_blocks=64, max_model_len=128,
+    options = dict(block_size=4, max_model_len=128, **scheduling,
                    speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                                        "prompt_lookup_max": 3})
     llm = LLM(tiny_models["qwen3"], trace=True, **options)
@@ -202,10 +207,16 @@ def test_speculative_drafts_are_recorded(tiny_models, monkeypatch):
     assert all(r.num_accepted_tokens == 0 for rec in trace for r in rec.scheduled if not r.spec_token_ids)
     check_states(trace)
     check_stats(trace, llm.stats)
-    # The reader follows each sequence past its rejected drafts: a verify step is no prefix-cache hit ("@N").
-    reader = StepReader()
+    if "enable_chunked_prefill" in scheduling:  # (what this combination is for)
+        assert llm.stats.num_preemptions > 0 and llm.stats.num_mixed_steps > 0
+        assert any(rec.kind == "mixed" and any(r.spec_token_ids for r in rec.scheduled) for rec in trace)
+    # The reader follows each sequence past its rejected drafts: a verify step is no prefix-cache hit ("@N"); only
+    # a request preempted to recompute finds its own blocks in the cache when it comes back.
+    reader, recomputed = StepReader(), set()
     views = [reader.read(rec) for rec in trace]
-    assert all(not view.hits for view in views) and not any("@" in label for v in views for label in v.labels.values())
+    for rec, view in zip(trace, views):
+        assert {seq_id for seq_id, label in view.labels.items() if "@" in label} == view.hits.keys() <= recomputed
+        recomputed |= set(rec.recomputed)
     assert sum(len(view.spec) for view in views) == spec.num_drafts
     table = format_trace(trace).splitlines()
     assert table[0].split()[-3:] == ["spec", "a/p", "ms"]
