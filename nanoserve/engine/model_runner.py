@@ -8,6 +8,7 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
+from nanoserve.layers.compile_elementwise import compile_elementwise
 from nanoserve.layers.linear import reorder_weights_for_cpu
 from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import build_model
@@ -40,6 +41,8 @@ class ModelRunner:
         load_weights(self.model, config.model)
         if self.device.type == "cpu":
             reorder_weights_for_cpu(self.model)
+        if config.compile_elementwise:
+            compile_elementwise(self.model)
         self.model.eval()
         self.sampler = Sampler()
         self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
