@@ -88,7 +88,7 @@ def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch():
 
 def plain_inputs(out: SchedulerOutput, bs: int) -> dict[str, list]:
     """The step's inputs built the plain way, a Python loop over every token: the reference for InputBatch."""
-    ids, positions, slots, logits_rows = [], [], [], []
+    ids, positions, slots, logits_rows, samplers = [], [], [], [], []
     for seq, start, n, do_sample, forks in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens,
                                                out.do_sample, out.forks):
         for p in range(start, start + n):
@@ -96,8 +96,16 @@ def plain_inputs(out: SchedulerOutput, bs: int) -> dict[str, list]:
             positions.append(p)
             slots.append(seq.block_table[p // bs] * bs + p % bs)
         logits_rows += [len(ids) - 1] * (1 + len(forks)) * do_sample
+        samplers += [seq, *forks] * do_sample
+    params = [seq.sampling_params for seq in samplers]
+    columns = dict(  # (dtype, values, the value that means unused): None when no row uses it
+        temperatures=(torch.float32, [p.temperature for p in params], 0),
+        top_ks=(torch.int64, [VOCAB if p.top_k == -1 else p.top_k for p in params], VOCAB),
+        top_ps=(torch.float32, [p.top_p for p in params], 1), min_ps=(torch.float32, [p.min_p for p in params], 0))
     width = max(len(seq.block_table) for seq in out.seqs)
     return dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_rows=logits_rows,
+                **{name: torch.tensor(values, dtype=dtype).tolist() if any(v != unused for v in values) else None
+                   for name, (dtype, values, unused) in columns.items()},
                 block_tables=[seq.block_table + [-1] * (width - len(seq.block_table)) for seq in out.seqs],
                 context_lens=[start + n for start, n in zip(out.num_computed_tokens, out.num_scheduled_tokens)])
 
@@ -148,7 +156,7 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
             inputs = as_lists(kept.prepare_inputs(out))
             assert inputs == as_lists(builder().prepare_inputs(out)), f"step {t}"
             plain = plain_inputs(out, config.block_size)
-            assert {name: inputs[name][1] for name in plain} == plain, f"step {t}"
+            assert {name: inputs[name] and inputs[name][1] for name in plain} == plain, f"step {t}"
             num_steps += 1
         scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
                                     zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
