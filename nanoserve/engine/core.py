@@ -124,9 +124,8 @@ class EngineCore:
         self.check_beam_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self.requests[request_id] = request = BeamRequest(request_id, prompt_token_ids, params, seq_ids=self.seq_ids,
-                                                          eos_token_ids=self.config.eos_token_ids,
-                                                          block_size=self.config.block_size)
+        request = BeamRequest(request_id, prompt_token_ids, params, self.config, self.seq_ids)
+        self.requests[request_id] = request
         self.scheduler.add(request.first_seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -236,8 +235,8 @@ class EngineCore:
 
     # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
     def run_busy_loop(self, input_queue: queue.Queue, output_queue) -> None:
-        """Take in ("add", request_id, prompt_token_ids, params, priority), ("abort", request_id) and
-        ("shutdown", None); step while there is work; put each step's outputs on output_queue (put_nowait)."""
+        """Take in ("add", request_id, prompt_token_ids, params, priority), ("add_beam", ..., beam params),
+        ("abort", request_id), ("shutdown", None); step while there is work; put each step's outputs on output_queue."""
         while True:
             # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
             while not self.has_unfinished_requests() or not input_queue.empty():
@@ -246,9 +245,9 @@ class EngineCore:
                     return
                 if kind == "abort" and self.abort_request(request_id):  # tell whoever waits for it
                     output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, finish_reason="abort")])
-                elif kind == "add":
+                elif kind in ("add", "add_beam"):
                     try:
-                        self.add_request(request_id, *args)
+                        (self.add_request if kind == "add" else self.add_beam_request)(request_id, *args)
                     except ValueError as error:  # a bad request: its caller hears why, the others go on
                         output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)])
             try:

@@ -37,7 +37,7 @@ class ModelInput:
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> drafts: its 1 + k rows are verified (spec_decode/verify.py)
-    beam_rows: list[int]  # sampling rows of beam searches: their raw logits go to engine/beam_scheduler.py
+    beam_rows: list[int]  # logits rows of beam searches, after the sampled ones: raw, to engine/beam_scheduler.py
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -80,19 +80,20 @@ class InputBuilder:
             max_seqlen_q=step.max_seqlen_q,
             max_seqlen_k=step.max_seqlen_k,
         )
-        samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks) if do_sample
-                    for s in [*draft_rows(seq), *forks]]
+        samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
+                    if do_sample and seq.beam_search is None for s in [*draft_rows(seq), *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, seq in enumerate(samplers) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(samplers))]
+        logits_rows = step.logits_rows.tolist() + step.beam_rows.tolist()  # a beam's: scored raw, nothing drawn
+        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows))]
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
-            meta=meta, logits_rows=self._tensor(step.logits_rows.tolist() + prompt_rows, torch.int64),
+            meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
             sampling=self.prepare_sampling(samplers, step), sample_seq_ids=[s.seq_id for s in samplers],
             placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, logprobs=logprobs,
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
-            beam_rows=[row for row, seq in enumerate(samplers) if seq.beam_search is not None])
+            beam_rows=list(range(len(step.logits_rows), len(logits_rows))))
 
     def prepare_sampling(self, seqs: list[Sequence], step: StepArrays) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
