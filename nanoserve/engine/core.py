@@ -1,4 +1,3 @@
-import os
 import queue
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -8,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.config import Config
+from nanoserve.config import Config, has_tokenizer
 from nanoserve.engine.beam_scheduler import BeamRequest, BeamScheduler, beam_sampling_params
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
@@ -16,7 +15,7 @@ from nanoserve.engine.input_batch import InputBuilder, ModelInput
 from nanoserve.engine.request import EngineCoreOutput, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
+from nanoserve.engine.spec_decode.proposer import propose_drafts
 from nanoserve.engine.structured_output_manager import StructuredOutputManager
 from nanoserve.engine.trace import StepRecorder
 from nanoserve.sampling_params import SamplingParams
@@ -55,9 +54,7 @@ class EngineCore:
         if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
             swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(config, self.block_manager, swap_pool)
-        has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
-                            for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
         self.beam_scheduler = BeamScheduler(config, self.scheduler, self.tokenizer)  # LLM.beam_search's requests
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
                                                           config.eos_token_ids)
@@ -191,7 +188,7 @@ class EngineCore:
         """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
         detokenize each new token and look for stop strings; drop the requests that are done."""
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
-        self.structured_outputs.advance(list(updated), self.scheduler.finish)  # a complete grammar finishes it
+        self.structured_outputs.advance(updated, self.scheduler.finish)  # a complete grammar finishes it
         outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
         outputs += self.beam_scheduler.step(out, self.executor.beam_logits, self.requests)  # done searches' results
         for request_id in {seq.request_id for seq in updated}:

@@ -18,9 +18,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.config import Config
-from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.input_batch import InputBuilder, ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.spec_decode.draft_model_proposer import DraftModelProposer
 
 # A collective waiting this long for a rank that hangs raises (one whose peer has died raises at once); it must
 # exceed how far the ranks can drift apart, e.g. in loading their weights.
@@ -80,6 +81,9 @@ class Executor:
         except BaseException:
             self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
             raise
+        self.drafter = None  # speculative decoding with a draft model (rank 0 only: tensor_parallel_size 1)
+        if self.model_runner.draft_model is not None:
+            self.drafter = DraftModelProposer(self.model_runner.draft_model, InputBuilder.from_config(config))
 
     def _start_workers(self, config: Config) -> None:
         with socket.socket() as s:  # a free port for the group to meet on
@@ -103,6 +107,8 @@ class Executor:
         (no wait for it here)."""
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # (TP: no message otherwise)
             self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        if self.drafter is not None:  # it computes its drafts in the slots just copied or reserved
+            inputs = self.drafter.propose(out, inputs)
         self.model_runner.fill_placeholders(inputs)
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)

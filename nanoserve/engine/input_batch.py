@@ -5,6 +5,7 @@ step is still sampling is a placeholder here (input id 0, output id -1), filled 
 Nothing here needs a model: tests/test_input_batch.py builds inputs from a hand-made plan.
 """
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -94,6 +95,16 @@ class InputBuilder:
             placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, logprobs=logprobs,
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
             beam_rows=list(range(len(step.logits_rows), len(logits_rows))))
+
+    def attention_metadata(self, block_tables: list[list[int]], slot_mapping: list[int], q_lens: list[int],
+                           context_lens: list[int]) -> AttentionMetadata:
+        """Where a batch's new tokens go in the paged cache, and what each sequence attends to."""
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64), context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._padded(block_tables, -1, torch.int32),
+            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens))
 
     def prepare_sampling(self, seqs: list[Sequence], step: StepArrays) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""

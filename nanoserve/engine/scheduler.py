@@ -6,7 +6,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens
+from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens, waits_for_drafts
 from nanoserve.engine.structured_output_manager import waits_for_grammar
 
 
@@ -40,6 +40,7 @@ class Scheduler(SchedulerPolicies):
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.scheduling_policy = config.scheduling_policy
         self.eos_token_ids = set(config.eos_token_ids)
+        self.speculative_config = config.speculative_config
         self.block_manager = block_manager
         self.host_block_manager = host_block_manager  # the swap pool, in host memory (preemption_mode="swap")
         self.waiting: deque[Sequence] = deque()
@@ -121,7 +122,7 @@ class Scheduler(SchedulerPolicies):
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self._pop_group(self.running)
-            if waits_for_grammar(group):  # async scheduling: its next mask needs the token still in flight
+            if waits_for_grammar(group) or waits_for_drafts(group, self.speculative_config):  # (async scheduling)
                 scheduled += group
                 continue
             while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:
@@ -196,7 +197,7 @@ class Scheduler(SchedulerPolicies):
             if seq.is_finished:
                 continue
             if drafts:  # speculative decoding: a run of up to 1 + k tokens, then the rollback
-                updated += accept_tokens(self, seq, start, drafts, new_token_ids)
+                updated += accept_tokens(self, out, seq, start, drafts, new_token_ids)
                 continue
             if seq.status == SequenceStatus.RUNNING:  # (a preempted one no longer holds these blocks)
                 self.block_manager.hash_blocks(seq, start, start + num_tokens)  # their KV is written now
