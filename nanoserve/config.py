@@ -37,6 +37,7 @@ LIMITS = (
     ("max_model_len", Integral, lambda v: v >= 1, ">= 1"),
     ("block_size", Integral, lambda v: v >= 1, ">= 1"),
     ("tensor_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
+    ("pipeline_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
     ("num_kvcache_blocks", Integral, lambda v: v >= 1, ">= 1"),  # or None: sized from memory
     ("gpu_memory_utilization", Real, lambda v: 0 < v <= 1, "in (0, 1]"),
     ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
@@ -73,6 +74,7 @@ class Config:
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
+    pipeline_parallel_size: int = 1  # stages that each hold 1/P of the layers, T ranks each (docs/parallelism.md)
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -141,11 +143,25 @@ class Config:
                              "must divide one another (fewer KV heads than ranks are replicated)")
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
+        self._validate_pipeline()
         if self.speculative_config is not None:
             self._validate_speculative_config()
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
+
+    def _validate_pipeline(self) -> None:
+        """Every stage needs a layer; on CUDA every rank a GPU."""
+        p, num_layers = self.pipeline_parallel_size, self.hf_config.num_hidden_layers
+        if p > num_layers:
+            raise ValueError(f"pipeline_parallel_size ({p}) exceeds the model's {num_layers} layers "
+                             "(num_hidden_layers): every stage needs at least one")
+        world = p * self.tensor_parallel_size
+        if p > 1 and self.device == "cuda" and world > torch.cuda.device_count():
+            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size ({p} x {self.tensor_parallel_size}) "
+                             f"exceeds the {torch.cuda.device_count()} CUDA devices")
+        if p > 1:  # a CUDA graph would replay a stage's send/recv with stale shapes: stages run eagerly
+            self.enforce_eager = True
 
     def _validate_speculative_config(self) -> None:
         """Its own keys (speculative_config.py), then what the engine does not combine it with (yet)."""

@@ -1,10 +1,12 @@
-"""The executor (vLLM's name) owns the ranks: rank 0's ModelRunner, in the engine's process, and with tensor
-parallelism the worker processes of ranks 1..N-1, each with a ModelRunner of its own.
+"""The executor (vLLM's name) owns the ranks: rank 0's ModelRunner, in the engine's process, and with tensor or
+pipeline parallelism the worker processes of ranks 1..N-1 (N = P x T), each with a ModelRunner of its own.
 
-Every rank holds 1/N of each layer, and the ranks meet in the collectives inside the forward (torch.distributed:
-gloo on CPU, NCCL on CUDA). Only rank 0 schedules and samples. Each step it sends every worker, through a pipe,
-the ModelRunner method to call and its arguments (the step's input tensors), torch.save'd so that the worker can
-load them straight onto its own device. An idle worker blocks on its pipe; once rank 0 closes it, the worker ends.
+With tensor parallelism every rank holds 1/T of each layer, and a stage's ranks meet in the collectives inside the
+forward (torch.distributed: gloo on CPU, NCCL on CUDA); with pipeline parallelism each stage holds 1/P of the layers
+and passes its activations on (models/pipeline.py). Only rank 0 schedules and samples. Each step it sends every
+worker, through a pipe, the ModelRunner method to call and its arguments (the step's input tensors), torch.save'd
+so that the worker can load them straight onto its own device. An idle worker blocks on its pipe; once rank 0
+closes it, the worker ends.
 """
 import io
 import os
@@ -21,20 +23,27 @@ from nanoserve.config import Config
 from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.models.pipeline import receive_logits
+from nanoserve.utils.distributed import destroy_stage_groups, init_stage_groups
 
 # A collective waiting this long for a rank that hangs raises (one whose peer has died raises at once); it must
 # exceed how far the ranks can drift apart, e.g. in loading their weights.
 TIMEOUT = timedelta(seconds=120)
 
 
+def world_size(config: Config) -> int:
+    return config.pipeline_parallel_size * config.tensor_parallel_size
+
+
 def init_process_group(config: Config, rank: int, port: int) -> None:
-    n = config.tensor_parallel_size
+    n = world_size(config)
     if config.device == "cuda":
         torch.cuda.set_device(rank)  # one GPU per rank
     else:  # the ranks share the CPU's cores: N processes with a thread per core would fight over them
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
     dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=n, timeout=TIMEOUT)
+    init_stage_groups(config.tensor_parallel_size, config.pipeline_parallel_size)
 
 
 def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
@@ -46,7 +55,7 @@ def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
             method, args = torch.load(io.BytesIO(conn.recv_bytes()), map_location=runner.device, weights_only=False)
             getattr(runner, method)(*args)
     except EOFError:  # rank 0 closed the pipe: shutting down, or gone
-        dist.destroy_process_group()
+        destroy_stage_groups()
         os._exit(0)  # skip the interpreter's teardown (seconds, with torch loaded): nothing is left to do
 
 
@@ -59,21 +68,21 @@ def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int)
         if proc.is_alive():
             proc.kill()
             proc.join()
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    destroy_stage_groups()
     torch.set_num_threads(num_threads)  # as before init_process_group
 
 
 class Executor:
     """Rank 0's handle on every rank: builds its own ModelRunner (`model_runner`) and, with
-    tensor_parallel_size > 1, starts ranks 1..N-1 (spawn) first; runs each step on all of them; stops them."""
+    more than one rank, starts ranks 1..N-1 (spawn) first; runs each step on all of them; stops them."""
 
     def __init__(self, config: Config):
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.shutdown = lambda: None  # with one rank there is nothing to stop
         self.beam_logits: torch.Tensor | None = None  # the last step's ModelInput.beam_rows, raw
-        if config.tensor_parallel_size > 1:
+        self.config = config
+        if world_size(config) > 1:
             self._start_workers(config)
         try:
             self.model_runner = ModelRunner(config)
@@ -86,7 +95,7 @@ class Executor:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         ctx = mp.get_context("spawn")
-        for rank in range(1, config.tensor_parallel_size):
+        for rank in range(1, world_size(config)):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=worker_main, args=(config, rank, port, reader), daemon=True)
             proc.start()
@@ -107,6 +116,9 @@ class Executor:
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
         logits = self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+        if logits is None:  # pipeline stages: rank 0 ran the first; the last sends the logits
+            logits = receive_logits(len(inputs.logits_rows), self.config.hf_config.vocab_size,
+                                    self.config.torch_dtype, self.model_runner.device)
         self.beam_logits = logits[inputs.beam_rows]  # beam searches score these raw rows themselves
         return self.model_runner.sample(logits, inputs)
 
@@ -131,5 +143,5 @@ class Executor:
             if proc.sentinel in ended:
                 proc.join()
                 self.shutdown()
-                raise RuntimeError(f"tensor-parallel worker rank {rank} (pid {proc.pid}) exited with code "
+                raise RuntimeError(f"worker rank {rank} (pid {proc.pid}) exited with code "
                                    f"{proc.exitcode}: this LLM cannot run any more; create a new one")
