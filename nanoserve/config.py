@@ -68,7 +68,7 @@ class Config:
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` values are served first (V0)
     preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
-    async_scheduling: bool = False  # plan step N+1 while step N's forward runs (docs/engine.md)
+    async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
@@ -151,13 +151,16 @@ class Config:
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
 
     def _validate_pipeline(self) -> None:
-        """Every stage needs a layer; on CUDA every rank a GPU."""
+        """Every stage needs a layer; torchrun must have started P x T ranks; on one machine every rank needs a GPU."""
         p, num_layers = self.pipeline_parallel_size, self.hf_config.num_hidden_layers
         if p > num_layers:
             raise ValueError(f"pipeline_parallel_size ({p}) exceeds the model's {num_layers} layers "
                              "(num_hidden_layers): every stage needs at least one")
         world = p * self.tensor_parallel_size
-        if p > 1 and self.device == "cuda" and world > torch.cuda.device_count():
+        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", world)) != world:  # engine/torchrun.py
+            raise ValueError(f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes, but "
+                             f"pipeline_parallel_size x tensor_parallel_size is {p} x {self.tensor_parallel_size}")
+        if p > 1 and self.device == "cuda" and world > torch.cuda.device_count() and "RANK" not in os.environ:
             raise ValueError(f"pipeline_parallel_size x tensor_parallel_size ({p} x {self.tensor_parallel_size}) "
                              f"exceeds the {torch.cuda.device_count()} CUDA devices")
         if p > 1:  # a CUDA graph would replay a stage's send/recv with stale shapes: stages run eagerly
@@ -172,6 +175,12 @@ class Config:
             raise ValueError("speculative_config with async_scheduling=True is not supported yet: the next step "
                              "would be planned before this one's drafts are verified, so neither its drafts nor "
                              "how far its num_computed_tokens rolls back would be known; turn one of them off")
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        """The batch queue's size with async_scheduling: two (plan one step while the other runs), or one per
+        pipeline stage (each stage busy with its own batch); 1 without it: one step at a time."""
+        return max(2, self.pipeline_parallel_size) if self.async_scheduling else 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,7 +1,12 @@
 """Pipeline parallelism on CPU: 2 stages (and 2 stages x 2 tensor-parallel ranks) over gloo give the tokens of
 one process and of transformers, each rank holding only its stage's layers."""
 import multiprocessing
+import os
 import re
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -9,6 +14,7 @@ import torch.distributed as dist
 
 from conftest import ARCHS, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.core import EngineCore
 from nanoserve.models.pipeline import stage_layers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -63,10 +69,14 @@ def on_stage(name: str, num_layers: int, stage: int, num_stages: int) -> bool:
     return stage == 0 if name.startswith("model.embed_tokens.") else stage == num_stages - 1
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-@pytest.mark.parametrize("arch", ARCHS)
-def test_pipeline_stages_equal_one_process_and_transformers(models, prompts, expected, names, arch, tp):
-    llm = LLM(models[arch], pipeline_parallel_size=2, tensor_parallel_size=tp, **OPTIONS)
+# (arch, tensor_parallel_size, async_scheduling): one step at a time, or one batch in flight per stage.
+CASES = [(arch, tp, False) for arch in ARCHS for tp in (1, 2)] + [(arch, 1, True) for arch in ARCHS] + \
+    [("qwen3", 2, True)]
+
+
+@pytest.mark.parametrize("arch, tp, in_flight", CASES)
+def test_pipeline_stages_equal_one_process_and_transformers(models, prompts, expected, names, arch, tp, in_flight):
+    llm = LLM(models[arch], pipeline_parallel_size=2, tensor_parallel_size=tp, async_scheduling=in_flight, **OPTIONS)
     assert generate(llm, prompts["plain"])[0] == expected[arch]["plain"]
     assert llm.stats.num_preemptions > 0
     assert generate(llm, prompts["shared"])[0] == expected[arch]["shared"]
@@ -105,3 +115,41 @@ def test_bad_pipeline_sizes_raise_before_any_process_starts(models, monkeypatch)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size x tensor_parallel_size \(2 x 2\) exceeds the 2 CUDA"):
         LLM(models["qwen3"], pipeline_parallel_size=2, tensor_parallel_size=2, device="cuda")
     assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
+@pytest.mark.parametrize("num_stages", [2, 3])
+def test_one_batch_in_flight_per_stage_and_no_request_in_two(models, prompts, expected, num_stages, monkeypatch):
+    """async_scheduling with P stages: the batch queue fills up to P steps, and a request whose token is still
+    in flight sits the next steps out, so the batches in flight never share a sequence."""
+    seen, submit = [], EngineCore._submit
+
+    def record(engine: EngineCore, out, inputs):  # what is in flight as each step starts
+        seen.append([{s.seq_id for s in o.seqs} for o, _ in engine.batch_queue] + [{s.seq_id for s in out.seqs}])
+        return submit(engine, out, inputs)
+
+    monkeypatch.setattr(EngineCore, "_submit", record)
+    llm = LLM(models["qwen2"], pipeline_parallel_size=num_stages, async_scheduling=True, **OPTIONS)
+    assert generate(llm, prompts["plain"])[0] == expected["qwen2"]["plain"]
+    assert max(map(len, seen)) == num_stages
+    for in_flight in seen:
+        assert sum(map(len, in_flight)) == len(set().union(*in_flight)), in_flight
+    del llm
+    assert not multiprocessing.active_children() and not dist.is_initialized()
+
+
+def test_sigterm_leaves_no_worker(models, tmp_path):
+    """A script with a 2-stage LLM killed by SIGTERM (no finalizers run): its worker sees the pipe close, exits."""
+    script = (f"import time\nfrom nanoserve import LLM\nllm = LLM({models['qwen3']!r}, pipeline_parallel_size=2)\n"
+              "print(llm.engine.executor.procs[0].pid, flush=True)\ntime.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        worker = int(proc.stdout.readline())
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        proc.kill()
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}"):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{worker}")

@@ -7,7 +7,6 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens
-from nanoserve.engine.structured_output_manager import waits_for_grammar
 
 
 @dataclass
@@ -35,8 +34,8 @@ class Scheduler(SchedulerPolicies):
     scheduling_policy="priority" and preemption_mode="swap" (engine/scheduler_policies.py)."""
 
     def __init__(self, config: Config, block_manager: BlockManager, host_block_manager: BlockManager | None = None):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.pipelined = config.pipeline_parallel_size > 1
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.scheduling_policy = config.scheduling_policy
         self.eos_token_ids = set(config.eos_token_ids)
@@ -121,7 +120,7 @@ class Scheduler(SchedulerPolicies):
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self._pop_group(self.running)
-            if waits_for_grammar(group):  # async scheduling: its next mask needs the token still in flight
+            if self._sits_out(group):  # async scheduling: its token is still in flight (grammar, pipeline stages)
                 scheduled += group
                 continue
             while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:

@@ -1,12 +1,14 @@
 """The scheduler's parts beyond nano-vllm's default (engine/scheduler.py calls them where the policies differ):
-scheduling_policy="priority" and preemption_mode="swap" (vLLM V0), and the n sequences of one request
-(SamplingParams.n > 1: vLLM V0's sequence group, which runs, is preempted and swapped as one)."""
+scheduling_policy="priority" and preemption_mode="swap" (vLLM V0), the n sequences of one request
+(SamplingParams.n > 1: vLLM V0's sequence group, which runs, is preempted and swapped as one), and which groups
+sit a step out while their token is in flight (async scheduling, pipeline stages)."""
 import bisect
 from collections import deque
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.structured_output_manager import waits_for_grammar
 
 
 def num_seats(seq: Sequence) -> int:
@@ -24,11 +26,19 @@ class SchedulerPolicies:
     """Scheduler inherits these; they use its queues (waiting, running, swapped), block managers and stats."""
 
     scheduling_policy: str
+    pipelined: bool
     block_manager: BlockManager
     host_block_manager: BlockManager | None
     waiting: deque[Sequence]
     running: deque[Sequence]
     swapped: deque[Sequence]
+
+    def _sits_out(self, group: list[Sequence]) -> bool:
+        """A running group whose next token a step in flight is still sampling waits for it: if its grammar needs
+        that token for its next mask, and always with pipeline stages, where a batch holding it could not enter
+        the first stage before the batch in flight left the last (vLLM V1's scheduled_req_ids): planned without
+        it, the next batch keeps the stages busy with other requests (docs/parallelism.md)."""
+        return waits_for_grammar(group) or (self.pipelined and any(s.num_output_placeholders for s in group))
 
     # ---- priority (scheduling_policy="priority") --------------------------------------------------------
     def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool = False) -> None:
