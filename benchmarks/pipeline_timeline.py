@@ -5,14 +5,12 @@ batch in flight per stage (docs/parallelism.md, docs/images/pipeline_timeline.pn
 
 Each rank appends the start and end of its stage's layers (from the end of Stage.receive_or_embed to the start of
 Stage.send_or_norm: waiting for the previous stage is not work) to a file; spawned workers re-import this script,
-so the wrappers below are in place on every rank.
+so the wrappers below are in place on every rank (one per stage: rank = stage).
 """
 import argparse
 import os
 import tempfile
 import time
-
-import torch.distributed as dist
 
 from nanoserve.models.pipeline import Stage
 
@@ -27,7 +25,7 @@ def timed_receive_or_embed(self, *args):
 
 
 def timed_send_or_norm(self, *args):
-    with open(os.path.join(LOG, f"rank{dist.get_rank()}.txt"), "a") as f:
+    with open(os.path.join(LOG, f"rank{self.index}.txt"), "a") as f:
         f.write(f"{started[0]} {time.time()}\n")
     return send_or_norm(self, *args)
 

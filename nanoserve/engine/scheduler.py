@@ -35,7 +35,7 @@ class Scheduler(SchedulerPolicies):
 
     def __init__(self, config: Config, block_manager: BlockManager, host_block_manager: BlockManager | None = None):
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
-        self.pipelined = config.pipeline_parallel_size > 1
+        self.pipeline_depth = config.pipeline_parallel_size if config.async_scheduling else 1  # batches in flight
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.scheduling_policy = config.scheduling_policy
         self.eos_token_ids = set(config.eos_token_ids)
@@ -64,7 +64,7 @@ class Scheduler(SchedulerPolicies):
         # Prefill: admit waiting prompts in order, whole, while seats, blocks and the token budget last.
         # (Swapped-out requests come back before any new prompt is admitted, as in vLLM V0.)
         num_batched_tokens = 0
-        while self.waiting and not self.swapped and num_seats(self.waiting[0]) <= self._num_free_seats():
+        while self.waiting and not self.swapped and num_seats(self.waiting[0]) <= self._num_free_seats(out):
             seq = self.waiting[0]
             num_new_tokens = self.block_manager.num_new_tokens(seq)  # a cached prefix costs no budget
             if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens or seq in out.preempted:
@@ -99,10 +99,6 @@ class Scheduler(SchedulerPolicies):
         self._enqueue(self.running, seq)
         self.stats.num_prompt_tokens += len(seq)
         self.stats.num_cached_tokens += seq.num_cached_tokens
-
-    def _num_free_seats(self) -> int:
-        """max_num_seqs less the running sequences and those that will fork from them."""
-        return self.max_num_seqs - sum(map(num_seats, self.running))
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
@@ -171,7 +167,7 @@ class Scheduler(SchedulerPolicies):
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and num_seats(self.waiting[0]) <= self._num_free_seats():
+        while self.waiting and budget > 0 and num_seats(self.waiting[0]) <= self._num_free_seats(out):
             seq = self.waiting[0]
             # All of the prompt's blocks, though only a chunk may run now (V1 allocates per chunk):
             # simpler, and a prompt once started never stalls for memory halfway.
