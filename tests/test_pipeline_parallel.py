@@ -111,6 +111,12 @@ def test_bad_pipeline_sizes_raise_before_any_process_starts(models, monkeypatch)
             LLM(models["qwen3"], pipeline_parallel_size=bad)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size \(3\) exceeds the model's 2 layers"):
         LLM(models["qwen3"], pipeline_parallel_size=3)
+    with monkeypatch.context() as env:  # under torchrun: the ranks it started must be P x T
+        for name, value in dict(RANK="0", WORLD_SIZE="3", MASTER_ADDR="127.0.0.1", MASTER_PORT="1").items():
+            env.setenv(name, value)
+        with pytest.raises(ValueError, match=r"torchrun started WORLD_SIZE=3 processes, but pipeline_parallel_size x "
+                                             r"tensor_parallel_size is 2 x 1"):
+            LLM(models["qwen3"], pipeline_parallel_size=2)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     with pytest.raises(ValueError, match=r"pipeline_parallel_size x tensor_parallel_size \(2 x 2\) exceeds the 2 CUDA"):
         LLM(models["qwen3"], pipeline_parallel_size=2, tensor_parallel_size=2, device="cuda")
