@@ -160,3 +160,25 @@ def test_sigterm_leaves_no_worker(models, tmp_path):
     while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{worker}")
+
+
+@pytest.mark.parametrize("in_flight", [False, True])
+def test_a_killed_stage_raises_a_clear_error_within_seconds(models, in_flight):
+    llm = LLM(models["qwen3"], pipeline_parallel_size=2, async_scheduling=in_flight, **OPTIONS)
+    runner, worker = llm.engine.model_runner, llm.engine.executor.procs[0]
+    run_model, calls = runner.run_model, []
+
+    def kill_worker_then_run(*args):  # the last stage has got this step: rank 0 will wait for its logits
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+        return run_model(*args)
+
+    runner.run_model = kill_worker_then_run
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(random_prompts(4), GREEDY, use_tqdm=False)
+    assert time.perf_counter() - start < 10
+    assert not worker.is_alive()
+    with pytest.raises(RuntimeError, match="cannot run any more"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)

@@ -75,12 +75,10 @@ def run_worker(config: Config, rank: int, conn: Connection) -> None:
 
 
 def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int,
-             receiver: ThreadPoolExecutor | None, closing: threading.Event | None = None) -> None:
+             closing: threading.Event | None = None) -> None:
     """Say goodbye on every pipe (each worker leaves its loop), wait a little, kill what is left, leave the group."""
     if closing is not None:  # torchrun: the watch on the workers' connections stands down
         closing.set()
-    if receiver is not None:
-        receiver.shutdown(wait=False)
     for conn in conns:
         try:
             conn.send_bytes(b"")  # goodbye: an EOF alone would mean that rank 0 died
@@ -106,7 +104,8 @@ class Executor:
         self.shutdown = lambda: None  # with one rank there is nothing to stop
         self.beam_logits: torch.Tensor | None = None  # the last step's ModelInput.beam_rows, raw
         self.config = config
-        # Pipeline stages: rank 0 takes the logits and samples in this thread (`submit`), behind the launches.
+        # Pipeline stages: rank 0 takes the logits and samples in this thread (`submit`), behind the launches;
+        # it ends with the Executor (a dead engine's next step then fails in its launch, saying why).
         self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if config.pipeline_parallel_size > 1 else None
         if launched_by_torchrun():
             self._join_torchrun(config)
@@ -131,8 +130,7 @@ class Executor:
             self.procs.append(proc)
             self.conns.append(writer)
         # On `del llm`, garbage collection or interpreter exit; it holds no reference to self.
-        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads(),
-                                         self.receiver)
+        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
         init_process_group(config, 0, f"tcp://127.0.0.1:{port}")
 
     def _join_torchrun(self, config: Config) -> None:
@@ -144,8 +142,7 @@ class Executor:
         if rank != 0:
             run_worker(config, rank, self.conns[0])
         closing = start_watching(self.conns)
-        self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), self.receiver,
-                                         closing)
+        self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), closing)
 
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """One step on every rank: the KV block copies, then the forward, each rank on its part; rank 0 fills
