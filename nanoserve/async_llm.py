@@ -5,11 +5,12 @@ import threading
 from collections.abc import AsyncIterator
 from itertools import count
 
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.engine.core import EngineCoreOutput
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.llm import Prompt, make_engine, prompt_text, prompt_token_ids
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 class RequestQueues(dict):
@@ -46,14 +47,32 @@ class AsyncLLM:
         token_ids = prompt_token_ids(self.tokenizer, prompt)
         request_id = str(next(self.request_ids)) if request_id is None else request_id
         self.engine_core.check_request(token_ids, params, priority)  # a bad request fails here, not in the loop
+        state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind, params.n)
+        async for output in self._stream(state, ("add", request_id, token_ids, params, priority)):
+            yield output
+
+    async def beam_search(self, prompt: Prompt, params: BeamSearchParams,
+                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        """vLLM's EngineClient.beam_search: one RequestOutput, once the search is done, with the beam_width best
+        sequences, best first (as LLM.beam_search; engine/beam_scheduler.py)."""
+        token_ids = prompt_token_ids(self.tokenizer, prompt)
+        request_id = str(next(self.request_ids)) if request_id is None else request_id
+        self.engine_core.check_beam_request(token_ids, params)
+        state = RequestState(request_id, prompt_text(prompt), token_ids, RequestOutputKind.FINAL_ONLY,
+                             params.beam_width)
+        async for output in self._stream(state, ("add_beam", request_id, token_ids, params)):
+            yield output
+
+    async def _stream(self, state: RequestState, message: tuple) -> AsyncIterator[RequestOutput]:
+        """Send the busy loop the request's message, then yield its outputs (state gathers them) as steps come."""
+        request_id = state.request_id
         if request_id in self.queues:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         if not self.thread.is_alive():
             raise RuntimeError("AsyncLLM: the engine is shut down")
         request_queue: asyncio.Queue[EngineCoreOutput] = asyncio.Queue()
         self.queues[request_id] = asyncio.get_running_loop(), request_queue
-        self.input_queue.put(("add", request_id, token_ids, params, priority))
-        state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind, params.n)
+        self.input_queue.put(message)
         finished = False
         try:
             while not finished:

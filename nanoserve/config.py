@@ -6,7 +6,7 @@ from numbers import Integral, Real
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from nanoserve.speculative_config import SpeculativeConfig
 
@@ -27,6 +27,15 @@ def pick_attention_backend(name: str, device: str) -> str:
         raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
                          "tests): export TRITON_INTERPRET=1 before starting Python")
     return name
+
+
+def has_tokenizer(path: str) -> bool:
+    return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json"))
+
+
+def kv_sizes(c: PretrainedConfig) -> tuple[int, int, int]:
+    """(vocab_size, num_key_value_heads, head_dim): what a draft model must share with its target."""
+    return c.vocab_size, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 # The range of each numeric option, as SamplingParams checks its own: (name, type, allowed, the limit as the
@@ -78,6 +87,7 @@ class Config:
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
     hf_config: PretrainedConfig = field(init=False, repr=False)
+    draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -170,11 +180,31 @@ class Config:
         """Its own keys (speculative_config.py), then what the engine does not combine it with (yet)."""
         spec = self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if spec.method == "draft_model":
-            raise ValueError("speculative_config.method='draft_model' is not implemented yet: use 'ngram'")
-        if self.async_scheduling:
-            raise ValueError("speculative_config with async_scheduling=True is not supported yet: the next step "
-                             "would be planned before this one's drafts are verified, so neither its drafts nor "
-                             "how far its num_computed_tokens rolls back would be known; turn one of them off")
+            self._read_draft_model(spec.model)
+        if self.async_scheduling and spec.method == "draft_model":
+            raise ValueError("speculative_config.method='draft_model' with async_scheduling=True is not supported: "
+                             "the draft runs over each planned step on the host's view of the tokens, and those of "
+                             "the step in flight are not known yet; use 'ngram', or turn async_scheduling off")
+
+    def _read_draft_model(self, path: str) -> None:
+        """The draft model proposes token ids of the target's vocabulary, and its layers become more layers of
+        the target's KV cache (the same blocks): the same tokenizer, KV heads and head size, on one rank."""
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise ValueError(f"speculative_config.model: {path!r} is not a model folder (no config.json found in it)")
+        draft = self.draft_hf_config = AutoConfig.from_pretrained(path)
+        for name, mine, theirs in zip(("vocab_size", "num_key_value_heads", "head_dim"), *map(kv_sizes, (draft,
+                                                                                                   self.hf_config))):
+            if mine != theirs:
+                raise ValueError(f"speculative_config.model: the draft's {name} ({mine}) differs from the target's "
+                                 f"({theirs}); it must share the tokenizer and fit the same KV cache blocks")
+        vocabs = [AutoTokenizer.from_pretrained(p).get_vocab() for p in (path, self.model) if has_tokenizer(p)]
+        if len(vocabs) == 2 and vocabs[0] != vocabs[1]:
+            raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config.method='draft_model' runs the draft on one rank: it needs "
+                             "tensor_parallel_size=1 and pipeline_parallel_size=1 (n-gram speculation works with "
+                             "tensor parallelism)")
+        self.max_model_len = min(self.max_model_len, draft.max_position_embeddings)  # it computes every position too
 
     @property
     def num_batches_in_flight(self) -> int:

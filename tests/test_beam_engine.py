@@ -83,6 +83,26 @@ def test_block_books(tiny_models):
     assert bm.num_free_blocks == bm.num_blocks
 
 
+def test_beam_rows_skip_the_sampler(tiny_models):
+    """Nothing is drawn for a beam: beside a beam search in the same batches, the sampler sees only the other
+    request's row each step, and both give what they give alone."""
+    llm = LLM(tiny_models["qwen3"], **OPTIONS)
+    params = BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    beam_alone = [c.token_ids for c in llm.beam_search([PROMPTS[0]], params, use_tqdm=False)[0].outputs]
+    greedy_alone = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    rows = []
+    llm.engine.model_runner.sampler.register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
+    llm.engine.add_beam_request("beams", PROMPTS[0], params)
+    llm.engine.add_request("greedy", PROMPTS[1], greedy)
+    tokens = {}
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step():
+            tokens.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
+    assert rows == [1] * 6  # the greedy request's row in each of the 6 steps, never a beam's
+    assert [tokens["beams", i] for i in range(3)] == beam_alone and tokens["greedy", 0] == greedy_alone
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_gives_equal_results(tiny_models, mode):
     prompts = random_prompts(4, seed=3, low=6, high=12)
@@ -96,6 +116,29 @@ def test_preemption_gives_equal_results(tiny_models, mode):
         assert small.stats.num_swapped_in > 0
     assert [[c.token_ids for c in o.outputs] for o in tight] == [[c.token_ids for c in o.outputs] for o in roomy]
     assert small.engine.block_manager.num_free_blocks == small.engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("budget", [4, 6, 7, 16])
+def test_chunked_prefill_gives_equal_results(tiny_models, budget):
+    """With enable_chunked_prefill the token budget cuts the prompts into chunks and, at 6 or 7 tokens, runs only
+    part of a request's beams in some steps (those compute their token again with the others the next step):
+    the same results as without, every block free at the end."""
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True)
+    plain = LLM(tiny_models["qwen3"], **OPTIONS).beam_search(PROMPTS, params, use_tqdm=False)
+    llm = LLM(tiny_models["qwen3"], **OPTIONS, enable_chunked_prefill=True, max_num_batched_tokens=budget)
+    partial, schedule = [], llm.engine.scheduler.schedule
+
+    def schedule_and_watch():
+        out = schedule()
+        ran = {s.seq_id for s, do_sample in zip(out.seqs, out.do_sample) if do_sample}
+        partial.extend(0 < sum(s.seq_id in ran for s in r.seqs) < len(r.seqs) for r in llm.engine.requests.values())
+        return out
+
+    llm.engine.scheduler.schedule = schedule_and_watch
+    chunked = llm.beam_search(PROMPTS, params, use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in chunked] == [[c.token_ids for c in o.outputs] for o in plain]
+    assert llm.stats.num_chunked_prefills > 0 and any(partial) == (budget in (6, 7))
+    assert llm.engine.block_manager.num_free_blocks == llm.engine.block_manager.num_blocks
 
 
 def test_demo_model(converted):
@@ -117,7 +160,8 @@ def test_demo_model(converted):
     ({}, dict(beam_width=8, max_tokens=60), ["max_tokens (60)", "max_model_len"]),
     ({"num_kvcache_blocks": 30}, dict(beam_width=8, max_tokens=40), ["KV blocks", "num_kvcache_blocks is 30"]),
     ({"async_scheduling": True}, dict(beam_width=2, max_tokens=4), ["async_scheduling"]),
-    ({"enable_chunked_prefill": True}, dict(beam_width=2, max_tokens=4), ["enable_chunked_prefill"]),
+    ({"enable_chunked_prefill": True, "max_num_batched_tokens": 3}, dict(beam_width=4, max_tokens=4),
+     ["beam_width (4)", "max_num_batched_tokens (3)"]),  # a step could never run all the beams
 ])
 def test_refused_before_work(tiny_models, options, params, words):
     llm = LLM(tiny_models["qwen3"], **{**OPTIONS, **options})

@@ -41,6 +41,7 @@ PROGRAMS = {  # the command lines the docs show -> the file whose argparse flags
     ("python", "benchmarks/serve.py"): "benchmarks/serve.py",
     ("python", "benchmarks/async_scheduling.py"): "benchmarks/async_scheduling.py",
     ("python", "-m", "nanoserve.tools.trace"): "nanoserve/tools/trace.py",
+    ("python", "-m", "nanoserve.tools.beam_trace"): "nanoserve/tools/beam_trace.py",
     ("python", "-m", "nanoserve.serving"): "serve", ("nanoserve", "serve"): "serve",
 }
 EXTRAS = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])

@@ -448,8 +448,8 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("chat/completions", {"messages": QUESTION, "n": -1}, 400, "n"),
     ("chat/completions", {"messages": QUESTION, "max_completion_tokens": -3}, 400, "max_tokens"),
     ("chat/completions", {"messages": QUESTION, "stream": "yes please"}, 400, "stream"),
-    ("completions", {"prompt": "Hi", "use_beam_search": True, "n": 2}, 400, "use_beam_search"),
-    ("chat/completions", {"messages": QUESTION, "use_beam_search": True, "n": 2}, 400, "use_beam_search"),
+    ("completions", {"prompt": "Hi", "use_beam_search": True, "n": 2, "stream": True}, 400, "stream"),  # more in
+    ("chat/completions", {"messages": QUESTION, "n": True}, 400, "n"),  # tests/test_beam_serving.py
     ("embeddings", {"input": "Hi"}, 404, None),
     # Python's JSON reader takes NaN and Infinity: every float field refuses them, naming itself
     *[("completions", b'{"prompt": "Hi", "%s": %s}' % (name.encode(), value), 400, name)

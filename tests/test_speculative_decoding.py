@@ -1,13 +1,14 @@
-"""Speculative decoding (n-gram) end to end: greedy output equals greedy output without it and transformers',
-token for token, for k in {1, 3, 5} and under the scheduler options; proposals happen and are accepted (the
-prompts repeat patterns); and after random accept/reject patterns the books balance and the prefix cache
-holds only verified tokens."""
+"""Speculative decoding end to end, with each proposer: n-gram lookup, a draft model that always agrees (the
+target itself: acceptance 100%) and one that never does (a differently seeded tiny model). Greedy output equals
+greedy output without it and transformers', token for token, for k in {1, 3, 5} and under the scheduler
+options; proposals happen and are accepted (the prompts repeat patterns); and after random accept/reject
+patterns the books balance and the prefix cache holds only verified tokens."""
 import random
 
 import pytest
 from test_scheduling_equality import BLOCK_BYTES, BLOCK_SIZE, COMBOS, run
 
-from conftest import ARCHS, hf_greedy, random_prompts
+from conftest import ARCHS, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
@@ -21,6 +22,34 @@ MAX_TOKENS = 32
 def ngram(k: int, **options) -> dict:
     return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
             **options}
+
+
+PROPOSERS = ["ngram", "draft_same", "draft_other"]
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory) -> str:
+    """A tiny Qwen3 of another seed: the same vocabulary and KV shapes as every tiny model, other weights."""
+    return make_model(tmp_path_factory.mktemp("draft") / "qwen3", "qwen3", seed=1)
+
+
+def spec_config(proposer: str, k: int, target: str, other_draft: str) -> dict:
+    if proposer == "ngram":
+        return ngram(k)
+    return {"method": "draft_model", "model": target if proposer == "draft_same" else other_draft,
+            "num_speculative_tokens": k}
+
+
+def check_acceptance(proposer: str, spec, k: int) -> None:
+    """Drafts were verified; n-gram's sometimes accepted, the target's own always, the other model's rarely."""
+    assert spec.num_drafts > 0 and spec.num_draft_tokens <= k * spec.num_drafts
+    assert len(spec.num_accepted_tokens_per_pos) <= k and spec.mean_acceptance_length <= k + 1
+    if proposer == "ngram":
+        assert spec.num_accepted_tokens > 0 and spec.mean_acceptance_length > 1
+    elif proposer == "draft_same":
+        assert spec.acceptance_rate == 1.0
+    else:
+        assert spec.acceptance_rate < 0.5
 
 
 def repetitive_prompts(n: int, seed: int) -> list[list[int]]:
@@ -40,19 +69,17 @@ def expected(tiny_models):
     return prompts, {arch: hf_greedy(tiny_models[arch], prompts, MAX_TOKENS) for arch in ARCHS}
 
 
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_equals_transformers(tiny_models, expected, arch, k):
+def test_greedy_equals_transformers(tiny_models, other_draft, expected, proposer, arch, k):
     prompts, reference = expected
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    plain = LLM(tiny_models[arch], block_size=4)
-    assert completions(plain.generate(prompts, greedy, use_tqdm=False)) == reference[arch]
-    llm = LLM(tiny_models[arch], block_size=4, speculative_config=ngram(k))
+    llm = LLM(tiny_models[arch], block_size=4,
+              speculative_config=spec_config(proposer, k, tiny_models[arch], other_draft))
     assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == reference[arch]
-    spec = llm.stats.spec_decoding
-    assert spec.num_drafts > 0 and spec.num_accepted_tokens > 0 and spec.num_draft_tokens <= k * spec.num_drafts
-    assert len(spec.num_accepted_tokens_per_pos) <= k and 1 < spec.mean_acceptance_length <= k + 1
-    assert llm.stats.num_generated_tokens == plain.stats.num_generated_tokens
+    check_acceptance(proposer, llm.stats.spec_decoding, k)
+    assert llm.stats.num_generated_tokens == sum(map(len, reference[arch]))
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
 
@@ -72,20 +99,25 @@ def expected_combos(tiny_models):
     return {"qwen3": hf_greedy(tiny_models["qwen3"], prompts, 16)}
 
 
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("prefix_caching", [True, False])
 @pytest.mark.parametrize("chunked, policy, mode", COMBOS)
-def test_every_scheduler_combination_equals_transformers(tiny_models, expected_combos, chunked, policy, mode,
-                                                         prefix_caching):
+def test_every_scheduler_combination_equals_transformers(tiny_models, other_draft, expected_combos, chunked, policy,
+                                                         mode, prefix_caching, proposer):
     """A pool too small for all six (preemption, swapping), a token budget that trims drafts (chunked). (Qwen3:
-    the tiny model whose output repeats itself most, so drafts get accepted.)"""
+    the tiny model whose output repeats itself most, so drafts get accepted.) A draft model's KV lives in the
+    same blocks, so they are twice the bytes: twice the swap space for as many host blocks."""
     arch = "qwen3"
+    block_bytes = BLOCK_BYTES * (1 if proposer == "ngram" else 2)
     llm = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=18, max_model_len=64,
               max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked,
-              scheduling_policy=policy, preemption_mode=mode, swap_space=24 * BLOCK_BYTES / 2**30,
-              enable_prefix_caching=prefix_caching, speculative_config=ngram(3))
+              scheduling_policy=policy, preemption_mode=mode, swap_space=24 * block_bytes / 2**30,
+              enable_prefix_caching=prefix_caching,
+              speculative_config=spec_config(proposer, 3, tiny_models[arch], other_draft))
     assert run(llm.engine, spec_requests(policy == "priority")) == expected_combos[arch]
     stats = llm.stats
-    assert stats.num_preemptions > 0 and stats.spec_decoding.num_accepted_tokens > 0
+    assert stats.num_preemptions > 0
+    check_acceptance(proposer, stats.spec_decoding, 3)
     if mode == "swap":
         assert stats.num_swapped_in == stats.num_swapped_out > 0
     scheduler = llm.engine.scheduler
@@ -93,14 +125,16 @@ def test_every_scheduler_combination_equals_transformers(tiny_models, expected_c
         assert pool is None or pool.num_free_blocks == pool.num_blocks
 
 
-def test_options_inside_an_accepted_run(tiny_models):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_same"])
+def test_options_inside_an_accepted_run(tiny_models, proposer):
     """n > 1, logprobs, min_tokens, stop tokens and max_tokens landing inside a run of accepted drafts: the
     same tokens (and logprobs) as without speculation."""
     prompts = repetitive_prompts(4, seed=3)
     plain = LLM(tiny_models["qwen3"], block_size=4)
     ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     stop_ids = [ref[0].outputs[0].token_ids[5], ref[1].outputs[0].token_ids[3]]
-    llm = LLM(tiny_models["qwen3"], block_size=4, speculative_config=ngram(5))
+    llm = LLM(tiny_models["qwen3"], block_size=4,
+              speculative_config=spec_config(proposer, 5, tiny_models["qwen3"], tiny_models["qwen3"]))
     for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, logprobs=3),
                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=stop_ids, min_tokens=4),
                    SamplingParams(temperature=0, max_tokens=7, repetition_penalty=1.3, frequency_penalty=0.5)):
@@ -117,10 +151,12 @@ def test_options_inside_an_accepted_run(tiny_models):
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
 
 
-def test_seeded_sampling_is_reproducible(tiny_models):
+@pytest.mark.parametrize("proposer", ["ngram", "draft_other"])
+def test_seeded_sampling_is_reproducible(tiny_models, other_draft, proposer):
     prompts = repetitive_prompts(4, seed=4)
     params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=MAX_TOKENS) for i in range(4)]
-    runs = [completions(LLM(tiny_models["qwen3"], block_size=4, speculative_config=ngram(3))
+    spec = spec_config(proposer, 3, tiny_models["qwen3"], other_draft)
+    runs = [completions(LLM(tiny_models["qwen3"], block_size=4, speculative_config=spec)
                         .generate(prompts, params, use_tqdm=False)) for _ in range(2)]
     assert runs[0] == runs[1]
 
@@ -135,8 +171,7 @@ def test_disable_by_batch_size(tiny_models):
 
 
 @pytest.mark.parametrize("options, message", [
-    (ngram(3) | {"method": "draft_model", "model": "x", "prompt_lookup_min": None, "prompt_lookup_max": None},
-     "not implemented yet"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3}, "model: 'x' is not a model folder"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
     (ngram(0), "num_speculative_tokens must be in"),
     ("ngram", "must be a dict"),
@@ -146,9 +181,45 @@ def test_bad_speculative_config(tiny_models, options, message):
         LLM(tiny_models["qwen3"], speculative_config=options)
 
 
-def test_async_scheduling_is_refused(tiny_models):
-    with pytest.raises(ValueError, match="async_scheduling"):
-        LLM(tiny_models["qwen3"], async_scheduling=True, speculative_config=ngram(3))
+@pytest.mark.parametrize("overrides, options, message", [
+    ({"vocab_size": 256}, {}, r"model: the draft's vocab_size \(256\) differs from the target's \(512\)"),
+    ({"num_key_value_heads": 1}, {}, r"draft's num_key_value_heads \(1\) differs"),
+    ({"head_dim": 8}, {}, r"draft's head_dim \(8\) differs"),
+    ({}, {"tensor_parallel_size": 2}, "needs tensor_parallel_size=1"),
+    ({}, {"async_scheduling": True}, "async_scheduling"),
+])
+def test_bad_draft_model(tiny_models, tmp_path, overrides, options, message):
+    """A draft that cannot propose the target's tokens or share its KV blocks is refused before any work."""
+    draft = make_model(tmp_path / "draft", "qwen3", seed=1, **overrides)
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_models["qwen3"], speculative_config={"model": draft, "num_speculative_tokens": 3}, **options)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_async_scheduling_equals_transformers(tiny_models, expected, k):
+    """Async scheduling plans a step while the one before runs: a request whose drafts that step verifies sits
+    the planned step out; the others go on with a placeholder, among them rows of a verify step."""
+    prompts, reference = expected
+    llm = LLM(tiny_models["qwen3"], block_size=4, async_scheduling=True, speculative_config=ngram(k))
+    assert completions(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
+                                    use_tqdm=False)) == reference["qwen3"]
+    check_acceptance("ngram", llm.stats.spec_decoding, k)
+    bm = llm.engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks
+
+
+@pytest.mark.parametrize("chunked, policy, mode", COMBOS)
+def test_async_scheduling_under_every_scheduler_combination(tiny_models, expected_combos, chunked, policy, mode):
+    """Preempted (recomputed or swapped) while a step verifies its drafts: the rollback finds its KV where it is."""
+    llm = LLM(tiny_models["qwen3"], block_size=BLOCK_SIZE, num_kvcache_blocks=18, max_model_len=64,
+              max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked, async_scheduling=True,
+              scheduling_policy=policy, preemption_mode=mode, swap_space=24 * BLOCK_BYTES / 2**30,
+              speculative_config=ngram(3))
+    assert run(llm.engine, spec_requests(policy == "priority")) == expected_combos["qwen3"]
+    assert llm.stats.num_preemptions > 0 and llm.stats.spec_decoding.num_accepted_tokens > 0
+    scheduler = llm.engine.scheduler
+    for pool in (scheduler.block_manager, scheduler.host_block_manager):
+        assert pool is None or pool.num_free_blocks == pool.num_blocks
 
 
 # ---- the books, with fake model outputs ------------------------------------------------------------------
@@ -224,3 +295,32 @@ def test_tensor_parallel(tiny_models):
     assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == want
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
     del llm
+
+
+def test_stop_string_inside_an_accepted_run(converted):
+    """A stop string that ends inside a run of accepted drafts ends the text exactly there: the same text, token
+    ids and reasons as without speculation. (The demo model copying a sentence from its prompt: n-gram lookup
+    proposes the rest of it, and the model accepts runs of it.)"""
+    path = str(converted[1])
+    plain = LLM(path, max_model_len=256, cpu_kvcache_space=0.25)
+    llm = LLM(path, max_model_len=256, cpu_kvcache_space=0.25,
+              speculative_config=ngram(5, prompt_lookup_min=2, prompt_lookup_max=5))
+    messages = [{"role": "user", "content": "Repeat exactly: the quick brown fox jumps over the lazy dog, twice."}]
+    text = llm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    prompt = llm.tokenizer.encode(text, add_special_tokens=False)
+    params = SamplingParams(temperature=0, max_tokens=40)
+    llm.engine.add_request("runs", prompt, params)  # step by step: which tokens each step emitted
+    runs = []
+    while llm.engine.has_unfinished_requests():
+        runs += [out.new_token_ids for out in llm.engine.step()]
+    ids = sum(runs, [])
+    # The first run of 3 or more accepted tokens; the stop string ends with the middle one.
+    first = next(i for i, run in enumerate(runs) if len(run) >= 3)
+    end = sum(map(len, runs[:first])) + len(runs[first]) // 2 + 1
+    before, full = llm.tokenizer.decode(ids[:end]), llm.tokenizer.decode(ids)
+    stop = next(before[-n:] for n in range(3, len(before) + 1) if full.find(before[-n:]) + n == len(before))
+    want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
+    got = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)[0]
+    assert want.outputs[0].text == before[: -len(stop)] and want.outputs[0].token_ids == ids[:end]
+    for field in ("text", "token_ids", "finish_reason", "stop_reason"):
+        assert getattr(got.outputs[0], field) == getattr(want.outputs[0], field)

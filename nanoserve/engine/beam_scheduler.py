@@ -21,19 +21,19 @@ from nanoserve.sampling_params import SamplingParams
 
 
 def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
-    """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of blocks, greedy
-    rows (the runner's draw for a beam row is ignored: the beam step picks), and no EOS stop of their own."""
+    """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of blocks, and no
+    EOS stop of their own. (Nothing is drawn for a beam: its row skips the sampler, and the beam step picks.)"""
     return SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
 
 
 class BeamRequest(Request):
     """A beam search's request: `seqs` are its live beams, in `search.beams` order (best first)."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, *,
-                 eos_token_ids: list[int], block_size: int, seq_ids: Iterator[int]):
-        super().__init__(request_id, prompt_token_ids, beam_sampling_params(params), block_size=block_size,
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams, config: Config,
+                 seq_ids: Iterator[int]):
+        super().__init__(request_id, prompt_token_ids, beam_sampling_params(params), block_size=config.block_size,
                          seq_ids=seq_ids)
-        self.params, self.eos_token_ids, self.seq_ids = params, eos_token_ids, seq_ids
+        self.params, self.eos_token_ids, self.seq_ids = params, config.eos_token_ids, seq_ids
         self.num_cached_tokens = 0
         self.restart()
 
@@ -61,8 +61,11 @@ class BeamScheduler:
         if self.config.async_scheduling:  # each step's beams decide the next batch: it cannot be planned ahead
             raise ValueError("beam search: not with async_scheduling=True (the next step's batch depends on "
                              "this step's beams); create the LLM with async_scheduling=False")
-        if self.config.enable_chunked_prefill:  # its token budget could run part of a request's beams only
-            raise ValueError("beam search: not with enable_chunked_prefill=True; create the LLM without it")
+        if self.config.enable_chunked_prefill and params.beam_width > self.config.max_num_batched_tokens:
+            # a step that runs part of a request's beams computes them again with the others the next step:
+            # a budget below the width would never run them all
+            raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_batched_tokens "
+                             f"({self.config.max_num_batched_tokens}) with enable_chunked_prefill=True")
         if params.beam_width > self.config.max_num_seqs:  # a request's beams run together
             raise ValueError(f"beam_width ({params.beam_width}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         search, vocab_size = BeamSearch(params, self.config.eos_token_ids), self.config.hf_config.vocab_size

@@ -1,4 +1,3 @@
-import os
 import queue
 from collections import Counter, deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -8,7 +7,7 @@ import torch
 from transformers import AutoTokenizer
 
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.config import Config
+from nanoserve.config import Config, has_tokenizer
 from nanoserve.engine.beam_scheduler import BeamRequest, BeamScheduler, beam_sampling_params
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
@@ -16,7 +15,7 @@ from nanoserve.engine.input_batch import InputBuilder, ModelInput
 from nanoserve.engine.request import EngineCoreOutput, Request
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.ngram_proposer import propose_drafts
+from nanoserve.engine.spec_decode.proposer import propose_drafts
 from nanoserve.engine.structured_output_manager import StructuredOutputManager
 from nanoserve.engine.trace import StepRecorder
 from nanoserve.sampling_params import SamplingParams
@@ -55,9 +54,7 @@ class EngineCore:
         if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
             swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
         self.scheduler = Scheduler(config, self.block_manager, swap_pool)
-        has_tokenizer = any(os.path.exists(os.path.join(config.model, f))
-                            for f in ("tokenizer.json", "tokenizer_config.json"))
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer else None
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
         self.beam_scheduler = BeamScheduler(config, self.scheduler, self.tokenizer)  # LLM.beam_search's requests
         self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
                                                           config.eos_token_ids)
@@ -124,9 +121,8 @@ class EngineCore:
         self.check_beam_request(prompt_token_ids, params)
         if request_id in self.requests:
             raise ValueError(f"request_id: {request_id!r} is already in use")
-        self.requests[request_id] = request = BeamRequest(request_id, prompt_token_ids, params, seq_ids=self.seq_ids,
-                                                          eos_token_ids=self.config.eos_token_ids,
-                                                          block_size=self.config.block_size)
+        request = BeamRequest(request_id, prompt_token_ids, params, self.config, self.seq_ids)
+        self.requests[request_id] = request
         self.scheduler.add(request.first_seq)
 
     def abort_request(self, request_id: str) -> bool:
@@ -236,8 +232,8 @@ class EngineCore:
 
     # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
     def run_busy_loop(self, input_queue: queue.Queue, output_queue) -> None:
-        """Take in ("add", request_id, prompt_token_ids, params, priority), ("abort", request_id) and
-        ("shutdown", None); step while there is work; put each step's outputs on output_queue (put_nowait)."""
+        """Take in ("add", request_id, prompt_token_ids, params, priority), ("add_beam", ..., beam params),
+        ("abort", request_id), ("shutdown", None); step while there is work; put each step's outputs on output_queue."""
         while True:
             # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
             while not self.has_unfinished_requests() or not input_queue.empty():
@@ -246,9 +242,9 @@ class EngineCore:
                     return
                 if kind == "abort" and self.abort_request(request_id):  # tell whoever waits for it
                     output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, finish_reason="abort")])
-                elif kind == "add":
+                elif kind in ("add", "add_beam"):
                     try:
-                        self.add_request(request_id, *args)
+                        (self.add_request if kind == "add" else self.add_beam_request)(request_id, *args)
                     except ValueError as error:  # a bad request: its caller hears why, the others go on
                         output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)])
             try:

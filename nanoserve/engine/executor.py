@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.config import Config
-from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.input_batch import InputBuilder, ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.spec_decode.draft_model_proposer import DraftModelProposer
 from nanoserve.engine.torchrun import connect_ranks, env_rank, launched_by_torchrun, start_watching
 from nanoserve.models.pipeline import receive_logits
 from nanoserve.utils.distributed import destroy_stage_groups, init_stage_groups
@@ -116,6 +117,9 @@ class Executor:
         except BaseException:
             self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
             raise
+        self.drafter = None  # speculative decoding with a draft model (rank 0 only: tensor_parallel_size 1)
+        if self.model_runner.draft_model is not None:
+            self.drafter = DraftModelProposer(self.model_runner.draft_model, InputBuilder.from_config(config))
 
     def _start_workers(self, config: Config) -> None:
         with socket.socket() as s:  # a free port for the group to meet on
@@ -163,6 +167,8 @@ class Executor:
         """Every rank's part of a step up to the logits. Returns them if rank 0 computed them (one stage)."""
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # (TP: no message otherwise)
             self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        if self.drafter is not None:  # it computes its drafts in the slots just copied or reserved
+            inputs = self.drafter.propose(out, inputs)
         self.model_runner.fill_placeholders(inputs)
         if inputs is None:
             return None

@@ -17,7 +17,7 @@ from nanoserve.engine.spec_decode.accounting import draft_rows
 from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
-from nanoserve.utils.math import cdiv
+from nanoserve.utils.math import token_slots
 
 LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
 
@@ -37,7 +37,7 @@ class ModelInput:
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> drafts: its 1 + k rows are verified (spec_decode/verify.py)
-    beam_rows: list[int]  # sampling rows of beam searches: their raw logits go to engine/beam_scheduler.py
+    beam_rows: list[int]  # logits rows of beam searches, after the sampled ones: raw, to engine/beam_scheduler.py
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -66,7 +66,7 @@ class InputBuilder:
         the rows whose logits are needed: the last one of each sequence that samples."""
         if not out.seqs:  # everyone was preempted this step
             return None
-        input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows = [], [], [], [], [], []
+        input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows, beam_rows = [], [], [], [], [], [], []
         placeholder_rows, placeholder_seq_ids = [], []
         bs = self.block_size
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
@@ -80,36 +80,35 @@ class InputBuilder:
             positions.extend(range(start, end))
             q_lens.append(num_tokens)
             context_lens.append(end)
-            # Token p goes to slot block_table[p // bs] * bs + p % bs: one range per block it touches.
-            for i in range(start // bs, cdiv(end, bs)):
-                base = (seq.block_table[i] - i) * bs
-                slot_mapping.extend(range(base + max(start, i * bs), base + min(end, (i + 1) * bs)))
-            if do_sample:
-                # The rows of its newest token and its drafts; n > 1: the last row again for every fork.
-                logits_rows += [*range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))]
-                logits_rows += [len(input_ids) - 1] * len(forks)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(slot_mapping, torch.int64),
-            block_tables=self._padded([seq.block_table for seq in out.seqs], -1, torch.int32),
-            context_lens=self._tensor(context_lens, torch.int32),
-            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
-            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
-            max_seqlen_q=max(q_lens),
-            max_seqlen_k=max(context_lens),
-        )
-        samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks) if do_sample
-                    for s in [*draft_rows(seq), *forks]]
+            slot_mapping.extend(token_slots(seq.block_table, start, end, bs))
+            if do_sample:  # the rows of its newest token and its drafts; n > 1: the last row again for every fork
+                rows = logits_rows if seq.beam_search is None else beam_rows  # a beam's: scored raw, nothing drawn
+                rows += [*range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))]
+                rows += [len(input_ids) - 1] * len(forks)
+        meta = self.attention_metadata([seq.block_table for seq in out.seqs], slot_mapping, q_lens, context_lens)
+        samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
+                    if do_sample and seq.beam_search is None for s in [*draft_rows(seq), *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, seq in enumerate(samplers) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(samplers))]
+        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows + beam_rows))]
         return ModelInput(
             input_ids=self._tensor(input_ids, torch.int64), positions=self._tensor(positions, torch.int64),
-            meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
+            meta=meta, logits_rows=self._tensor(logits_rows + beam_rows + prompt_rows, torch.int64),
             sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
             placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
-            beam_rows=[row for row, seq in enumerate(samplers) if seq.beam_search is not None])
+            beam_rows=list(range(len(logits_rows), len(logits_rows + beam_rows))))
+
+    def attention_metadata(self, block_tables: list[list[int]], slot_mapping: list[int], q_lens: list[int],
+                           context_lens: list[int]) -> AttentionMetadata:
+        """Where a batch's new tokens go in the paged cache, and what each sequence attends to."""
+        return AttentionMetadata(
+            slot_mapping=self._tensor(slot_mapping, torch.int64), context_lens=self._tensor(context_lens, torch.int32),
+            block_tables=self._padded(block_tables, -1, torch.int32),
+            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
+            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
+            max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens))
 
     def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""

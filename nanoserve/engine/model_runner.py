@@ -8,12 +8,10 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
-from nanoserve.layers.linear import reorder_weights_for_cpu
 from nanoserve.layers.sampler import Sampler, compute_logprobs
-from nanoserve.models import build_model
+from nanoserve.models import load_model
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.utils.loader import load_weights
 from nanoserve.utils.math import cdiv
 from nanoserve.utils.memory import keep_freed_memory
 
@@ -30,19 +28,14 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # reuse activation memory across steps instead of page-faulting it in
         torch.manual_seed(config.seed)
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(config.torch_dtype)
-        try:
-            with torch.device(self.device):
-                self.model = build_model(config.hf_config)
-        finally:
-            torch.set_default_dtype(default_dtype)
-        load_weights(self.model, config.model)
-        if self.device.type == "cpu":
-            reorder_weights_for_cpu(self.model)
-        self.model.eval()
+        self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device)
+        # Speculative decoding's draft model (spec_decode/draft_model_proposer.py): its layers are more layers
+        # of the same KV cache, so its KV shares the target's blocks and block tables.
+        self.draft_model = None if config.draft_hf_config is None else load_model(
+            config.draft_hf_config, config.speculative_config.model, config.torch_dtype, self.device)
         self.sampler = Sampler()
-        self.attn_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.attn_layers = [m for model in (self.model, self.draft_model) if model is not None
+                            for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
@@ -167,7 +160,7 @@ class ModelRunner:
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """A token id per sampling row (layers/sampler.py tells which), as a device tensor; kept for the next
         step's placeholders. The logprobs asked for are recorded on their sequences."""
-        if inputs.spec_decode_tokens:  # speculative decoding: verify drafts (async scheduling is off then)
+        if inputs.spec_decode_tokens:  # speculative decoding: verify drafts (docs/speculative.md)
             return verify(self, logits, inputs)
         num_rows = len(inputs.sample_seq_ids)
         newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None

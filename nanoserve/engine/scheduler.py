@@ -39,6 +39,7 @@ class Scheduler(SchedulerPolicies):
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.scheduling_policy = config.scheduling_policy
         self.eos_token_ids = set(config.eos_token_ids)
+        self.speculative_config = config.speculative_config
         self.block_manager = block_manager
         self.host_block_manager = host_block_manager  # the swap pool, in host memory (preemption_mode="swap")
         self.waiting: deque[Sequence] = deque()
@@ -178,15 +179,16 @@ class Scheduler(SchedulerPolicies):
 
     # ---- after the forward ----------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take in a step's sampled tokens (one per sequence that samples, n for a prompt that forks, in batch
-        order). Returns the sequences that got a token. A sequence that finished while the step was in flight
-        (async scheduling, or an abort) has its extra token dropped."""
+        """Take in a step's sampled tokens (one per sequence that samples, n for a prompt that forks, none for a
+        beam, in batch order). Returns the sequences that got a token. A sequence that finished while the step was
+        in flight (async scheduling, or an abort) has its extra token dropped."""
         sampled = iter(token_ids)
         updated = []
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
             drafts = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            new_token_ids = [next(sampled) for _ in range(do_sample + len(forks) + len(drafts))]
+            num_drawn = 0 if seq.beam_search is not None else do_sample + len(forks) + len(drafts)  # (beams: below)
+            new_token_ids = [next(sampled) for _ in range(num_drawn)]
             if seq.is_finished:
                 continue
             if drafts:  # speculative decoding: a run of up to 1 + k tokens, then the rollback

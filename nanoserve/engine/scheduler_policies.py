@@ -8,6 +8,7 @@ from collections import deque
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.spec_decode.accounting import waits_for_drafts
 from nanoserve.engine.structured_output_manager import waits_for_grammar
 from nanoserve.utils.math import cdiv
 
@@ -28,6 +29,7 @@ class SchedulerPolicies:
 
     scheduling_policy: str
     max_num_seqs: int
+    speculative_config: object
     pipeline_depth: int  # P with pipeline stages and async_scheduling (P batches in flight), else 1
     block_manager: BlockManager
     host_block_manager: BlockManager | None
@@ -36,11 +38,14 @@ class SchedulerPolicies:
     swapped: deque[Sequence]
 
     def _sits_out(self, group: list[Sequence]) -> bool:
-        """A running group whose next token a step in flight is still sampling waits for it: if its grammar needs
-        that token for its next mask, and always with pipeline stages in flight, where a batch holding it could
-        not enter the first stage before the batch in flight left the last (vLLM V1's scheduled_req_ids):
-        planned without it, the next batch keeps the stages busy with other requests (docs/parallelism.md)."""
-        return waits_for_grammar(group) or (self.pipeline_depth > 1 and any(s.num_output_placeholders for s in group))
+        """A running group whose next token a step in flight is still sampling waits for it (async scheduling): if
+        its grammar needs that token for its next mask, if it speculates (its drafts start from that token:
+        spec_decode/accounting.py), and always with pipeline stages in flight, where a batch holding it could not
+        enter the first stage before the batch in flight left the last (vLLM V1's scheduled_req_ids): planned
+        without it, the next batch keeps the stages busy with other requests (docs/parallelism.md)."""
+        in_flight = any(s.num_output_placeholders for s in group)
+        return waits_for_grammar(group) or waits_for_drafts(group, self.speculative_config) or \
+            (self.pipeline_depth > 1 and in_flight)
 
     def _num_free_seats(self, out: SchedulerOutput | None = None) -> int:
         """max_num_seqs less the running sequences and those that will fork from them. With P pipeline stages in

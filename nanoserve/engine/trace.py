@@ -2,7 +2,7 @@
 the KV pool after it. `nanoserve/tools/trace.py` prints and plots them; the server's dashboard
 (`nanoserve serve --dashboard`) streams them. With neither on, nothing here runs."""
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 
 from nanoserve.engine.scheduler import Scheduler
@@ -41,6 +41,10 @@ class StepRecord:
     token_budget: int  # max_num_batched_tokens
     time: float  # wall clock (perf_counter()) when the step's output was taken in
     seq_requests: dict[int, tuple[str, int]]  # every sequence named above: (request id, index among its n)
+    # Each running sequence's KV blocks after the step, and the copy-on-write copies before its forward: who
+    # shares which block (nanoserve/tools/beam_trace.py draws a beam search's forks, frees and copies).
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
+    blocks_copied: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
 
 
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
@@ -73,6 +77,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         token_budget=scheduler.max_num_batched_tokens,
         time=perf_counter(),
         seq_requests={seq.seq_id: (seq.request_id, seq.index) for seq in named},
+        block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
+        blocks_copied=list(out.blocks_to_copy),
     )
 
 

@@ -1,7 +1,10 @@
+import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoserve.layers.linear import reorder_weights_for_cpu
 from nanoserve.models.qwen3 import ARCHITECTURES, Qwen3ForCausalLM
+from nanoserve.utils.loader import load_weights
 
 
 def build_model(config: PretrainedConfig) -> nn.Module:
@@ -10,3 +13,19 @@ def build_model(config: PretrainedConfig) -> nn.Module:
     if arch not in ARCHITECTURES:
         raise ValueError(f"architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     return Qwen3ForCausalLM(config, ARCHITECTURES[arch])
+
+
+def load_model(config: PretrainedConfig, path: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The model built in dtype right on device (no float32 copy first), its weights read from path, in
+    eval mode; on CPU with its weights laid out for the CPU's matmuls."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, path)
+    if device.type == "cpu":
+        reorder_weights_for_cpu(model)
+    return model.eval()

@@ -6,6 +6,8 @@ them (400 if it refuses) -> one `engine.generate(...)` stream per prompt; the en
 request into its scheduler's waiting queue and, step after step, sends back the newly decoded text (DELTA
 outputs) -> the route forwards each piece as a server-sent event, or gathers them into one JSON answer.
 A client that goes away cancels the task that iterates its stream, which aborts the request in the engine.
+Beside it: beam.py (`use_beam_search`: engine.beam_search instead), echo.py, structured.py, logprobs.py,
+errors.py (every error in OpenAI's shape), metrics.py, dashboard.py.
 """
 import asyncio
 import json
@@ -14,17 +16,16 @@ from collections.abc import AsyncIterator
 from time import perf_counter
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
 from fastapi.responses import Response as HTTPResponse
-from starlette.datastructures import Headers
-from starlette.exceptions import HTTPException
+from fastapi.responses import StreamingResponse
 
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.beam import beam_search_streams, check_beam_fields
 from nanoserve.serving.dashboard import add_dashboard
 from nanoserve.serving.echo import Echo, generate_nothing, make_echo
+from nanoserve.serving.errors import APIKeyMiddleware, add_error_handlers
 from nanoserve.serving.logprobs import LogprobsFormat
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import (
@@ -47,9 +48,7 @@ Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta outpu
 
 # ---- from the request to the engine ----------------------------------------------------------------
 def refuse_unsupported(request: SamplingRequest) -> None:
-    if request.use_beam_search:  # declared so that it is refused, not silently ignored and sampled instead
-        raise APIError(400, "use_beam_search: the server does not run beam search yet; LLM.beam_search "
-                       "(docs/beam_search.md) does, offline", "use_beam_search")
+    check_beam_fields(request)  # beam search's fields without it, or sampling's with it
     if getattr(request, "top_logprobs", None) is not None and not request.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs=true", "top_logprobs")
 
@@ -203,21 +202,6 @@ async def cancel_on_disconnect(work, raw: Request):
 
 
 # ---- the app ---------------------------------------------------------------------------------------
-class APIKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer KEY` (plain ASGI, so that streams pass through untouched)."""
-
-    def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}"
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] == "http" and scope["path"].startswith("/v1") and \
-                Headers(scope=scope).get("authorization") != self.expected:
-            error = APIError(401, "Incorrect or missing API key: send `Authorization: Bearer KEY`",
-                             code="invalid_api_key")
-            return await JSONResponse(error.body(), 401)(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
 def build_app(engine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
               dashboard: bool = False) -> FastAPI:
     """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name; tool_call_parser
@@ -242,17 +226,20 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         for p in prompts:
             check_length(request, p, max_tokens, config.max_model_len)
         structured = structured_outputs_params(request, tool_call_parser)  # response_format, tools, ...
+        request_id = uuid.uuid4().hex
         try:
-            params = [sampling_params(request, max_tokens, config.max_model_len - len(p), structured) for p in prompts]
-            for ids, sp in zip(prompts, params):
-                core.check_request(ids, sp, request.priority)
+            if request.use_beam_search:  # vLLM's extension (serving/beam.py)
+                streams = beam_search_streams(engine, request, prompts, max_tokens, request_id)
+            else:
+                params = [sampling_params(request, max_tokens, config.max_model_len - len(p), structured)
+                          for p in prompts]
+                for ids, sp in zip(prompts, params):
+                    core.check_request(ids, sp, request.priority)
+                streams = [engine.generate(ids, sp, request_id=f"{request_id}-{i}", priority=request.priority)
+                           for i, (ids, sp) in enumerate(zip(prompts, params))]
         except ValueError as e:
             raise as_api_error(e, request) from e
-        request_id = uuid.uuid4().hex
-        streams = [metrics.observe(engine.generate(ids, sp, request_id=f"{request_id}-{i}",
-                                                   priority=request.priority), arrival)
-                   for i, (ids, sp) in enumerate(zip(prompts, params))]
-        return merge(streams, app.state.shutting_down)
+        return merge([metrics.observe(stream, arrival) for stream in streams], app.state.shutting_down)
 
     async def answer(request: SamplingRequest, raw: Request, prompts: list[list[int]], max_tokens: int | None,
                      chat: bool, echo: Echo | None = None):
@@ -319,28 +306,3 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         add_dashboard(app, engine, model_name, api_key)
     add_error_handlers(app)
     return app
-
-
-def add_error_handlers(app: FastAPI) -> None:
-    """Every error in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
-
-    @app.exception_handler(APIError)
-    async def api_error(_, e: APIError):
-        return JSONResponse(e.body(), e.status_code)
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, e: RequestValidationError):  # malformed JSON, missing fields, wrong types
-        errors = e.errors()  # each with a `loc` such as ("body", "prompt") or, for malformed JSON, ("body", 15)
-        param = next((part for part in errors[0]["loc"][1:] if isinstance(part, str)), None) if errors else None
-        return await api_error(None, APIError(400, "; ".join(map(describe, errors)) or "invalid request", param))
-
-    @app.exception_handler(HTTPException)
-    async def http_error(_, e: HTTPException):  # an unknown route (404), a wrong method (405)
-        return await api_error(None, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
-
-
-def describe(error: dict) -> str:
-    """One of pydantic's validation errors as a line that names the field."""
-    if error["type"] == "json_invalid":
-        return f"body: malformed JSON at character {error['loc'][-1]}: {error.get('ctx', {}).get('error', '')}"
-    return f"{'.'.join(map(str, error['loc'][1:])) or 'body'}: {error['msg']}"

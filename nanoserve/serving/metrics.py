@@ -84,18 +84,20 @@ class Metrics:
 
     async def observe(self, stream: AsyncIterator[RequestOutput], arrival: float) -> AsyncIterator[RequestOutput]:
         """Pass a request's (delta) outputs through, timing its first and last token. With n > 1 the
-        sequences decode side by side: TPOT counts the tokens of the longest."""
-        first_token_time, num_tokens = None, {}
+        sequences decode side by side: TPOT counts the tokens of the longest. A sequence that came whole, in one
+        output (a beam search's), has no time per token."""
+        first_token_time, num_tokens, num_outputs = None, {}, {}
         async for out in stream:
             c = out.outputs[0]
             if first_token_time is None and c.token_ids:
                 first_token_time = perf_counter()
                 self.ttft.observe(first_token_time - arrival)
             num_tokens[c.index] = num_tokens.get(c.index, 0) + len(c.token_ids)
+            num_outputs[c.index] = num_outputs.get(c.index, 0) + bool(c.token_ids)
             if out.finished:
                 now = perf_counter()
                 self.e2e.observe(now - arrival)
                 longest = max(num_tokens.values())
-                if longest > 1:
+                if longest > 1 and max(num_outputs.values()) > 1:
                     self.tpot.observe((now - first_token_time) / (longest - 1))
             yield out

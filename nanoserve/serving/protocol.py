@@ -1,13 +1,13 @@
 """The OpenAI API's requests and responses as pydantic models: FastAPI validates the JSON against them.
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
-ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs), and use_beam_search,
-declared to be refused.
+ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs, and use_beam_search with
+best_of, length_penalty, early_stopping: nanoserve/serving/beam.py).
 """
 import time
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt
 
 MAX_LOGPROBS = 20  # the most likely tokens a response may list per position (vLLM's default max_logprobs)
 
@@ -40,12 +40,16 @@ class SamplingRequest(BaseModel):
     priority: int = 0  # with --scheduling-policy priority: lower is served first
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = 1  # completions per prompt (up to the server's max_num_seqs)
+    n: StrictInt = 1  # completions per prompt (up to the server's max_num_seqs); strict: `true` is not 1
     # The output matches a JSON schema, regex, choice or grammar (nanoserve/serving/structured.py):
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
     structured_outputs: dict | None = None  # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
-    use_beam_search: bool = False  # vLLM's extension: refused (400) here; LLM.beam_search runs it offline
+    # vLLM's beam search extension (nanoserve/serving/beam.py): beam width best_of, else n; the n best returned
+    use_beam_search: bool = False
+    best_of: StrictInt | None = None  # only with use_beam_search (or equal to n)
+    length_penalty: float = 1.0  # a finished beam scores sum_logprobs / length ** length_penalty
+    early_stopping: StrictBool | Literal["never"] = False  # transformers' stopping rule (docs/beam_search.md)
 
     def num_prompt_logprobs(self) -> int | None:
         return None

@@ -8,7 +8,7 @@ written but is wrong for what follows, so num_computed_tokens rolls back over th
 from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from nanoserve.utils.math import cdiv
 
@@ -83,7 +83,12 @@ def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
     are hashed; the blocks past them go back. Returns seq once per token appended."""
     emitted = [t for t in row if t != PLACEHOLDER_TOKEN_ID]
     seq.num_output_placeholders -= 1
-    seq.num_computed_tokens -= num_rejected_tokens(len(drafts), len(emitted))
+    num_rejected = num_rejected_tokens(len(drafts), len(emitted))
+    # Async scheduling may have preempted seq while this step ran: swapped, its blocks are in the host pool;
+    # recomputed, it has none left to roll back.
+    pool = {SequenceStatus.RUNNING: scheduler.block_manager,
+            SequenceStatus.SWAPPED: scheduler.host_block_manager}.get(seq.status)
+    seq.num_computed_tokens -= num_rejected if pool is not None else 0
     seq.spec_token_ids = []
     scheduler.stats.spec_decoding.observe(len(drafts), len(emitted) - 1)
     for token_id in emitted:
@@ -94,12 +99,20 @@ def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
             break
     # Verified KV: the newest token and the accepted drafts (the last emitted token has none yet).
     verified = min(seq.num_computed_tokens, len(seq.token_ids))
-    scheduler.block_manager.hash_blocks(seq, start, verified)
+    if pool is scheduler.block_manager:
+        pool.hash_blocks(seq, start, verified)
     if seq.finish_reason is not None:
         scheduler.finish(seq)
-    else:
-        free_tail(scheduler.block_manager, seq, verified)
+    elif pool is not None:
+        free_tail(pool, seq, verified)
     return [seq] * (len(seq.token_ids) - start - 1)
+
+
+def waits_for_drafts(group: list[Sequence], speculative_config) -> bool:
+    """Async scheduling with speculation: a request whose newest token a step in flight is sampling sits the
+    planned step out, so that its drafts are proposed from that token (and when that step verifies drafts,
+    neither its tokens nor how many of its slots it keeps are known yet). It runs in the step after, drafts and all."""
+    return speculative_config is not None and any(seq.num_output_placeholders > 0 for seq in group)
 
 
 class DraftRow:

@@ -1,10 +1,6 @@
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
-
-from nanoserve.engine import sequence
-from nanoserve.engine.spec_decode.accounting import num_spec_tokens_allowed
-from nanoserve.speculative_config import SpeculativeConfig
 
 
 class NgramProposer:
@@ -40,18 +36,3 @@ class NgramProposer:
         start = ends[0] + 1  # the earliest occurrence of the longest match
         return tokens[start : start + k].tolist()
 
-
-def propose_drafts(running: Iterable[sequence.Sequence], spec: SpeculativeConfig) -> None:
-    """After a step: set each running sequence's spec_token_ids for the next one, the drafts it will verify.
-    Only a sequence about to decode gets drafts (not one still prefilling its prompt), at most as many as its
-    max_tokens leave room for; none at all in a batch past disable_by_batch_size."""
-    running = list(running)
-    proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    enabled = spec.enabled_for(len(running))
-    for seq in running:
-        k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
-                                    seq.sampling_params.max_tokens)
-        # (A grammar-constrained request or a beam gets none: its matcher, or its search, takes a token a step.)
-        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.beam_search is None
-                    and seq.sampling_params.structured_outputs is None)
-        seq.spec_token_ids = proposer.propose_one(np.asarray(seq.token_ids), k) if enabled and decoding and k else []

@@ -24,6 +24,8 @@ def verify(runner, logits: torch.Tensor, inputs) -> torch.Tensor:
                                [inputs.sampling.generators[r] for r in first_rows])
     ks = torch.tensor([len(d) for d in drafts], device=output.device)
     emitted = output[torch.arange(output.shape[1], device=output.device) <= ks[:, None]]
+    # Async scheduling: a row without drafts may have a placeholder in the next step (those with drafts sit it out).
+    runner.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, emitted)
     if inputs.logprobs:  # prompt tokens, and the rows that emitted a token (not those after a rejection)
         tokens = emitted.tolist()
         runner.record_logprobs(logits, tokens, [(seq, p, row) for seq, p, row in inputs.logprobs
