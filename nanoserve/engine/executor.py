@@ -152,7 +152,7 @@ class Executor:
         """One step on every rank: the KV block copies, then the forward, each rank on its part; rank 0 fills
         in the placeholders first and samples after. Returns a token id per sampling row, as a device tensor
         (no wait for it here)."""
-        return self.finish(self.launch(out, inputs), inputs)
+        return self.finish(*self.launch(out, inputs))
 
     def submit(self, thread: ThreadPoolExecutor, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
         """execute_model in the background (the batch queue's); the future gives the sampled ids. With pipeline
@@ -161,20 +161,21 @@ class Executor:
         if self.receiver is None:
             return thread.submit(self.execute_model, out, inputs)
         launched = thread.submit(self.launch, out, inputs)
-        return self.receiver.submit(lambda: self.finish(launched.result(), inputs))
+        return self.receiver.submit(lambda: self.finish(*launched.result()))
 
-    def launch(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor | None:
-        """Every rank's part of a step up to the logits. Returns them if rank 0 computed them (one stage)."""
+    def launch(self, out: SchedulerOutput, inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
+        """Every rank's part of a step up to the logits. Returns the inputs run (with a draft model's drafts) and
+        the logits if rank 0 computed them (one stage)."""
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # (TP: no message otherwise)
             self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
         if self.drafter is not None:  # it computes its drafts in the slots just copied or reserved
             inputs = self.drafter.propose(out, inputs)
         self.model_runner.fill_placeholders(inputs)
         if inputs is None:
-            return None
-        return self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+            return None, None
+        return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
 
-    def finish(self, logits: torch.Tensor | None, inputs: ModelInput | None) -> torch.Tensor:
+    def finish(self, inputs: ModelInput | None, logits: torch.Tensor | None) -> torch.Tensor:
         """The step's sampled ids, from its logits: with pipeline stages, those the last stage sends."""
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
