@@ -2,6 +2,7 @@
 is recorded without it), its endpoints behind the API key, and the page itself in a real browser (headless
 Chromium, driven by Playwright) against a real server whose tiny KV pool forces preemptions and prefix hits."""
 import asyncio
+import contextlib
 import json
 import re
 import shutil
@@ -16,9 +17,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import Server, start_server
 from nanoserve import LLM, AsyncLLM, SamplingParams
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.engine.trace import StepRecord
 from nanoserve.serving.app import build_app
-from nanoserve.serving.dashboard import PAGE, StepStream, stream_steps
+from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
 from nanoserve.tools.trace import STATES
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
@@ -54,7 +56,8 @@ def test_records_steps_blocks_and_requests(tiny_models):
         step=0, kind="prefill", time=step0["time"],
         batch=[dict(seq=i, tokens=n, sampled=True, decode=False, label=str(n)) for i, n in enumerate((8, 6, 5, 5))],
         states={"0": "prefill", "1": "prefill", "2": "prefill", "3": "prefill"}, hits={},
-        recomputed=[], swapped_out=[], swapped_in=[], finished=[], waiting=[], running=[0, 1, 2, 3], swapped=[],
+        recomputed=[], swapped_out=[], swapped_in=[], finished=[], forked=[], dropped=[], waiting=[],
+        running=[0, 1, 2, 3], swapped=[],
         blocks=dict(used=8, cached=0, free=0), tokens=24, budget=llm.engine.config.max_num_batched_tokens)
     assert step1["recomputed"] == [3] and step1["waiting"] == [3] and step1["running"] == [0, 1, 2]
     assert step1["states"] == {"0": "decode", "1": "decode", "2": "decode", "3": "preempted"}
@@ -255,6 +258,7 @@ def test_endpoints_need_the_api_key(server):
         name, data = text.split("\n")
         config = json.loads(data.removeprefix("data: "))
         assert status == 200 and name == "event: config" and config["block_size"] == 16
+        assert config["speculative_config"] is None
     # A browser: the key in the link becomes a cookie (its EventSource sends cookies, not headers), and the
     # address bar loses it.
     response = httpx.get(f"{server.url}/dashboard?steps=60&api_key={API_KEY}")
@@ -328,6 +332,7 @@ def test_page_in_a_browser(server, tmp_path):
         page.wait_for_selector("#status[data-status=idle]")
         final = count()
         counters = {c: page.inner_text(f"#{c} b") for c in ("c-preemptions", "c-swaps", "c-cache")}
+        spec_shown = page.is_visible("#c-spec") or page.is_visible("#spec-note")
         metrics = scrape(server)
         page.screenshot(path=tmp_path / "dashboard_idle.png")
         # A client that hangs up aborts its request: with nothing else running, no step follows, and the page
@@ -353,6 +358,118 @@ def test_page_in_a_browser(server, tmp_path):
     assert counters["c-preemptions"] == str(int(metrics["nanoserve:num_preemptions_total"]))
     assert int(counters["c-swaps"]) >= 1
     assert counters["c-cache"].startswith(f"{int(metrics['nanoserve:prefix_cache_hits_total'])} (")
+    assert not spec_shown  # (no speculation on this server: nothing of it on the page)
+
+
+# A sentence the demo model repeats word for word, greedily: n-gram lookup proposes the rest of it, and it passes.
+REPEAT = ("Repeat the text below word for word.\n\nText:\nThe KV cache keeps the keys and values of every token a "
+          "request has seen, so that each new token reads them instead of computing them again.\n\nRepeated text:\n")
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+
+
+def read_steps(url: str, steps: list[dict]) -> None:
+    """Collect the step records /debug/steps sends, until it has sent nothing for 5 s."""
+    with contextlib.suppress(httpx.ReadTimeout), httpx.stream("GET", f"{url}/debug/steps",
+                                                              timeout=httpx.Timeout(30, read=5)) as events:
+        for line in events.iter_lines():
+            if line.startswith('data: {"steps":'):
+                steps += json.loads(line.removeprefix("data: "))["steps"]
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+def test_page_shows_speculative_tokens(converted, tmp_path):
+    """A server started with --speculative-config (n-gram), two requests that repeat a sentence (drafts pass) and
+    one story (drafts mostly fail): the cells' drafts bars, each agreeing with its step's records, some green; the
+    accepted and rejected drafts in the token bars; the header's count is /metrics'; the legend says it all."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="`pip install playwright` to run it")
+    url, process = start_server([str(converted[1]), "--dashboard", "--speculative-config", json.dumps(NGRAM),
+                                 "--max-model-len", "512", "--uvicorn-log-level", "warning"], tmp_path / "server.log")
+    try:
+        with playwright.sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=BROWSER, args=BROWSER_ARGS)
+            page = browser.new_page(viewport={"width": 1600, "height": 900})
+            errors = []
+            page.on("pageerror", lambda error: errors.append(error))
+            page.goto(f"{url}/dashboard?steps=120")
+            page.wait_for_selector("#status[data-status=idle]")
+            steps = []  # the records, as the page gets them, until the stream falls silent
+            reader = threading.Thread(target=read_steps, args=(url, steps))
+            reader.start()
+            for prompt in (REPEAT, REPEAT, "Once upon a time"):
+                body = dict(prompt=prompt, max_tokens=40, temperature=0)
+                assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
+            page.wait_for_selector("#status[data-status=idle]")
+            reader.join()
+            page.screenshot(path=tmp_path / "dashboard_spec.png")
+            bars = page.eval_on_selector_all("#timeline .spec", """gs => gs.map(g => [+g.dataset.seq, +g.dataset.step,
+                +g.dataset.accepted, +g.dataset.proposed, g.querySelector("rect + rect").getAttribute("width") /
+                g.querySelector("rect").getAttribute("width")])""")
+            token_kinds = page.eval_on_selector_all("#timeline .tokens", "rs => rs.map(r => r.dataset.kind)")
+            counter = page.inner_text("#c-spec b")
+            legend, title = page.inner_text("#timeline-legend"), page.inner_text("#timeline-panel h2")
+            browser.close()
+        metrics = scrape(Server(url, process, tmp_path / "server.log"))
+    finally:
+        process.terminate()
+        process.wait(30)
+    print(f"screenshot: {tmp_path}/dashboard_spec.png")
+    assert not errors
+    expected = [[b["seq"], s["step"], *b["spec"]] for s in steps for b in s["batch"] if "spec" in b]
+    assert [bar[:4] for bar in bars] == expected and len(steps) < 120
+    assert all(bar[4] == pytest.approx(bar[2] / bar[3]) for bar in bars)  # the green share is the accepted one
+    assert any(accepted == proposed for _, _, accepted, proposed, _ in bars)  # the repeated sentence passes
+    assert {"decode", "accepted", "rejected", "prefill"} <= set(token_kinds)
+    accepted, drafts = (int(metrics[f"nanoserve:spec_decode_num_{n}_tokens_total"]) for n in ("accepted", "draft"))
+    assert counter == f"{accepted}/{drafts} ({round(100 * accepted / drafts)}%)" and 0 < accepted < drafts
+    assert "draft tokens accepted" in legend and "draft tokens rejected" in legend and "draft tokens" in title
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+def test_page_shows_beams_forking(tiny_models, tmp_path):
+    """The page fed the records of a real beam search (two requests, 3 beams each; the server has no beam search
+    yet, so Playwright serves the page and one recorded stream, and nothing goes to the network): a fork line for
+    each fork, a square for each dropped beam, each request's beams in rows of their own, the steps' beam events,
+    the legend, and the block grid mid-search: the blocks the beams share, numbered with their ref counts."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="`pip install playwright` to run it")
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=32)
+    llm.beam_search([[5, 6, 7, 8, 9, 10], [11, 12, 13]], BeamSearchParams(beam_width=3, max_tokens=6),
+                    use_tqdm=False)
+    steps = records(stream)
+    shown = next(i for i, state in enumerate(states) if i >= 3 and any(ref > 1 for ref, _, _ in state["blocks"]))
+    steps = steps[: shown + 1]  # the search as the page saw it after step `shown`, its beams still running
+    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(
+        "steps", dict(steps=steps, dropped=0, engine=states[shown]))
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=BROWSER, args=BROWSER_ARGS)
+        page = browser.new_page(viewport={"width": 1600, "height": 900})
+        errors = []
+        page.on("pageerror", lambda error: errors.append(error))
+        page.route("**/dashboard", lambda route: route.fulfill(body=PAGE.read_text(), content_type="text/html"))
+        page.route("**/debug/steps", lambda route: route.fulfill(body=body, content_type="text/event-stream"))
+        page.goto("http://nanoserve.test/dashboard")
+        page.wait_for_selector("#timeline .fork")
+        page.screenshot(path=tmp_path / "dashboard_beams.png")
+        forks = page.eval_on_selector_all("#timeline .fork", "gs => gs.map(g => [+g.dataset.seq, +g.dataset.parent])")
+        drops = page.eval_on_selector_all("#timeline .marker[data-event=dropped]", "ms => ms.map(m => +m.dataset.seq)")
+        rows = page.eval_on_selector_all("#timeline text[font-weight=bold]", "ts => ts.map(t => t.textContent)")
+        beam_events = page.eval_on_selector_all("#events .event[data-kind=beams]", "es => es.map(e => e.textContent)")
+        legend = page.inner_text("#timeline-legend")
+        shared = page.eval_on_selector_all("#kv-grid .block[data-state=shared]", "bs => bs.map(b => b.textContent)")
+        browser.close()
+    print(f"screenshot: {tmp_path}/dashboard_beams.png")
+    assert not errors
+    assert forks == [list(pair) for s in steps for pair in s["forked"]] and len(forks) >= 6
+    assert drops == [seq for s in steps for seq in s["dropped"]] and drops
+    root = {b["seq"]: b["seq"] for b in steps[0]["batch"]}  # each beam's request: its first beam, the prompt's
+    for child, parent in forks:
+        root[child] = root[parent]
+    order = [root[int(row.removeprefix("R"))] for row in rows]
+    assert order == sorted(order) and len(set(order)) == 2  # each request's beams together
+    assert len(beam_events) == sum(bool(s["forked"] or s["dropped"]) for s in steps[-12:])
+    assert all(re.fullmatch(r"step \d+●beams: .*(forked \(sharing its blocks\)|dropped \(blocks freed\))", e)
+               for e in beam_events)
+    assert "a beam forks" in legend and "a beam is dropped" in legend
+    assert shared == [str(ref) for ref, _, _ in states[shown]["blocks"] if ref > 1] and shared
 
 
 def test_sigterm_ends_the_stream_at_once(server):

@@ -157,6 +157,60 @@ def test_combinations_give_the_same_outputs(converted, llm, options):
         assert other.stats.num_swapped_out > 0
 
 
+SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+def replay(compiler, spec: StructuredOutputsParams, token_ids: list[int]) -> None:
+    """A fresh matcher through the output: every token is in the mask at its position."""
+    from nanoserve.engine.grammar import allocate_bitmask
+
+    matcher = compiler.matcher(spec)
+    for token_id in token_ids:
+        bitmask = allocate_bitmask(1, compiler.vocab_size)
+        matcher.fill_bitmask(bitmask, 0)
+        assert bitmask[0, token_id // 32] >> (token_id % 32) & 1, (token_ids, token_id)
+        assert matcher.accept(token_id)
+
+
+def test_speculative_decoding_masks_each_drafted_position(converted, llm):
+    """N-gram drafts for structured requests: each is cut where the grammar refuses it, each drafted position
+    gets its own mask, and only the emitted tokens advance the matcher. Greedy output equals the engine's
+    without speculation (json schema, regex, choice, next to an unconstrained request); drafts are proposed and
+    accepted; sampled at temperature 2, every token is still allowed at its position."""
+    spec_llm = LLM(str(converted[1]), **OPTIONS, speculative_config=SPEC)
+    items = {"type": "object", "properties": {"items": {"type": "array", "minItems": 3, "maxItems": 3, "items": {
+        "type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 9},
+                                         "kind": {"enum": ["apple", "banana"]}}, "required": ["id", "kind"]}}},
+             "required": ["items"]}
+    cases = [("A list of fruit as JSON:", structured("json", items)),
+             ("Say it three times: ab cd ab cd ab cd", structured("regex", r"(ab|cd)( (ab|cd)){2,5}\.")),
+             ("Answer with one of: New York City, Los Angeles. Answer:",
+              structured("choice", ["New York City", "Los Angeles"]))]
+    prompts, params = [p for p, _ in cases], [sp for _, sp in cases]
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    outputs = spec_llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    json.loads(outputs[0].outputs[0].text)
+    assert re.fullmatch(r"(ab|cd)( (ab|cd)){2,5}\.", outputs[1].outputs[0].text)
+    assert outputs[2].outputs[0].text in ("New York City", "Los Angeles")
+    stats = spec_llm.stats.spec_decoding
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0, stats  # all three are constrained
+
+    grammar, accepted = 'root ::= ("ab" | "cd" | " x")+ "."', stats.num_accepted_tokens
+    prompts = ["Letters: ab cd ab cd x x ab", "Go ab ab ab", "The capital of France is"]
+    params = [structured("grammar", grammar, temperature=2.0, n=3, seed=0, max_tokens=40)] * 2
+    params.append(SamplingParams(temperature=0, max_tokens=24))
+    sampled = spec_llm.generate(prompts, params, use_tqdm=False)
+    for completion in (c for o in sampled[:2] for c in o.outputs):
+        replay(spec_llm.engine.structured_outputs.compiler, StructuredOutputsParams(grammar=grammar),
+               completion.token_ids)
+        assert completion.finish_reason == "length" or re.fullmatch(r"(ab|cd| x)+\.", completion.text)
+    assert spec_llm.stats.spec_decoding.num_accepted_tokens > accepted
+    # An unconstrained request next to them: as without speculation.
+    alone = llm.generate(prompts[2:], params[2:], use_tqdm=False)[0]
+    assert sampled[2].outputs[0].token_ids == alone.outputs[0].token_ids
+
+
 def test_bad_specs_are_refused_before_any_work(llm):
     with pytest.raises(ValueError, match=r"structured_outputs\.regex: "):
         structured("regex", "(unclosed")

@@ -6,11 +6,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_speculative_decoding import repetitive_prompts
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.beam_search_params import BeamSearchParams
+from nanoserve.engine.trace import StepReader
 from nanoserve.tools.trace import (
     DEFAULT_OUT,
     SCENARIOS,
+    default_names,
     format_trace,
     main,
     plot_kv,
@@ -56,7 +60,8 @@ def check_stats(trace, stats) -> None:
     assert sum(len(r.recomputed) + len(r.swapped_out) for r in trace) == stats.num_preemptions
     assert sum(len(r.swapped_out) for r in trace) == stats.num_swapped_out
     assert sum(len(r.swapped_in) for r in trace) == stats.num_swapped_in
-    assert sum(r.sampled for rec in trace for r in rec.scheduled) == stats.num_generated_tokens
+    # A step samples one token per sequence, and with speculative decoding the drafts it accepted too.
+    assert sum(r.sampled + r.num_accepted_tokens for rec in trace for r in rec.scheduled) == stats.num_generated_tokens
     assert sum(not r.sampled for rec in trace for r in rec.scheduled) == stats.num_chunked_prefills
     assert sum(rec.kind in ("prefill", "mixed") for rec in trace) == stats.num_prefill_steps
     assert sum(rec.kind == "mixed" for rec in trace) == stats.num_mixed_steps
@@ -172,3 +177,98 @@ def test_trace_under_async_scheduling(tiny_models):
     assert sum(r.sampled for rec in trace for r in rec.scheduled) >= stats.num_generated_tokens == 18
     assert sorted(i for rec in trace for i in rec.finished) == [0, 1, 2]
     assert all(len(row) == len(llm.trace) for row in request_states(llm.trace).values())
+
+
+# ---- speculative decoding and beam search in the records ----------------------------------------------------
+@pytest.mark.parametrize("scheduling", [
+    dict(num_kvcache_blocks=64),
+    # a token budget that trims drafts and mixes them with prompt chunks; a pool that forces preemptions
+    dict(num_kvcache_blocks=24, enable_chunked_prefill=True, max_num_batched_tokens=12),
+], ids=["default", "chunked-preempting"])
+def test_speculative_drafts_are_recorded(tiny_models, monkeypatch, scheduling):
+    """trace=True with n-gram speculation: each verifying sequence's drafts and how many passed, per step, adding
+    up to llm.stats.spec_decoding; a verify step is a decode (1 + k tokens), and the table and the timeline show
+    the drafts. Tracing changes no token; without it, no record is made."""
+    prompts = repetitive_prompts(6, seed=1)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=24)
+    options = dict(block_size=4, max_model_len=128, **scheduling,
+                   speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                       "prompt_lookup_max": 3})
+    llm = LLM(tiny_models["qwen3"], trace=True, **options)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    trace, spec = llm.trace, llm.stats.spec_decoding
+    verified = [r for rec in trace for r in rec.scheduled if r.spec_token_ids]
+    assert spec.num_accepted_tokens > 0 and spec.num_accepted_tokens < spec.num_draft_tokens  # some pass, some not
+    assert len(verified) == spec.num_drafts
+    assert sum(len(r.spec_token_ids) for r in verified) == spec.num_draft_tokens
+    assert sum(r.num_accepted_tokens for r in verified) == spec.num_accepted_tokens
+    assert all(r.num_tokens == 1 + len(r.spec_token_ids) and 0 <= r.num_accepted_tokens <= len(r.spec_token_ids)
+               and r.is_decode for r in verified)
+    assert all(r.num_accepted_tokens == 0 for rec in trace for r in rec.scheduled if not r.spec_token_ids)
+    check_states(trace)
+    check_stats(trace, llm.stats)
+    if "enable_chunked_prefill" in scheduling:  # (what this combination is for)
+        assert llm.stats.num_preemptions > 0 and llm.stats.num_mixed_steps > 0
+        assert any(rec.kind == "mixed" and any(r.spec_token_ids for r in rec.scheduled) for rec in trace)
+    # The reader follows each sequence past its rejected drafts: a verify step is no prefix-cache hit ("@N"); only
+    # a request preempted to recompute finds its own blocks in the cache when it comes back.
+    reader, recomputed = StepReader(), set()
+    views = [reader.read(rec) for rec in trace]
+    for rec, view in zip(trace, views):
+        assert {seq_id for seq_id, label in view.labels.items() if "@" in label} == view.hits.keys() <= recomputed
+        recomputed |= set(rec.recomputed)
+    assert sum(len(view.spec) for view in views) == spec.num_drafts
+    table = format_trace(trace).splitlines()
+    assert table[0].split()[-3:] == ["spec", "a/p", "ms"]
+    names = default_names(trace)
+    for rec, line in zip(trace, table[1:]):
+        accepted, proposed = (sum(r.num_accepted_tokens for r in rec.scheduled),
+                              sum(len(r.spec_token_ids) for r in rec.scheduled))
+        assert line.split()[-2] == (f"{accepted}/{proposed}" if proposed else "-")
+        for r in rec.scheduled:  # each verifying request: "name:4[2/3]"
+            if r.spec_token_ids:
+                assert f"{names[r.seq_id]}:{r.num_tokens}[{r.num_accepted_tokens}/{len(r.spec_token_ids)}]" in line
+    # Tracing changes nothing; off, nothing is recorded.
+    monkeypatch.setattr("nanoserve.engine.trace.record_step", lambda *args: pytest.fail("a record was made"))
+    untraced = LLM(tiny_models["qwen3"], **options)
+    assert [o.outputs[0].token_ids for o in untraced.generate(prompts, params, use_tqdm=False)] == [
+        o.outputs[0].token_ids for o in outputs]
+    assert untraced.trace is None and untraced.stats.spec_decoding == spec
+
+
+def test_beam_forks_and_drops_are_recorded(tiny_models, tmp_path):
+    """trace=True with beam search: replaying each step's forks (a new beam from a live parent) and drops on
+    the live beams gives exactly the running queue after the step, and at the end no beam is left. The
+    reader starts a forked beam in the step after its fork; the table and the timeline show both."""
+    llm = LLM(tiny_models["qwen3"], trace=True, block_size=4, num_kvcache_blocks=64, max_model_len=64)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6), use_tqdm=False)
+    trace, live, forks, drops = llm.trace, set(), 0, 0
+    for rec in trace:
+        live |= {r.seq_id for r in rec.scheduled if r.start == 0}  # a request's first beam, at its prompt
+        for child, parent in rec.forked:
+            assert parent in live and child not in live and rec.seq_requests[child][0] == rec.seq_requests[parent][0]
+            live.add(child)
+        assert set(rec.dropped) <= live
+        live -= set(rec.dropped)
+        assert live == set(rec.running)
+        forks, drops = forks + len(rec.forked), drops + len(rec.dropped)
+    seqs = {seq_id for rec in trace for seq_id in rec.seq_requests}
+    assert not live and forks > 0 and forks == len(seqs) - len(prompts) and drops == len(seqs)
+    reader = StepReader()
+    for rec in trace:
+        states = reader.read(rec).states
+        assert all(child not in states for child, _ in rec.forked)
+        assert all(states[seq_id] == "decode" for seq_id in rec.dropped if rec.step > 0)
+    names = default_names(trace)
+    for request_id in "01":  # each request's beams: .0, .1... in the order they came
+        beams = sorted(s for s in seqs if any(rec.seq_requests.get(s, ("",))[0] == request_id for rec in trace))
+        assert [names[s] for s in beams] == [f"{request_id}.{i}" for i in range(len(beams))]
+    table = format_trace(trace, names).splitlines()
+    for rec, line in zip(trace, table[1:]):
+        if rec.forked:
+            assert " ".join(f"{names[c]}<{names[p]}" for c, p in rec.forked) + " forked" in line
+        if rec.dropped:
+            assert " ".join(names[i] for i in rec.dropped) + " dropped" in line
+    plot_timeline(trace, tmp_path / "beams.png")
+    assert 10_000 < (tmp_path / "beams.png").stat().st_size < 100_000

@@ -89,7 +89,7 @@ class BeamScheduler:
             if request.search.beams[0].token_ids == []:  # the prompt's step: its cache hits are the request's
                 request.num_cached_tokens = request.seqs[0].num_cached_tokens
             result = request.search.step(logits[[row_of[s.seq_id] for s in request.seqs]])
-            self._act_out(request, result.children, result.dropped)
+            self._act_out(request, result.children, result.dropped, out)
             if result.done:
                 del requests[request.request_id]
                 outputs += [self._output(request, i, h) for i, h in enumerate(request.search.hypotheses)]
@@ -101,15 +101,20 @@ class BeamScheduler:
                                 finish_reason=hypothesis.finish_reason, num_cached_tokens=request.num_cached_tokens,
                                 index=index, cumulative_logprob=hypothesis.cumulative_logprob)
 
-    def _act_out(self, request: BeamRequest, children: list[BeamChild], dropped: list[int]) -> None:
-        """Free the dropped beams, fork the parents of several children (before anyone appends), append."""
+    def _act_out(self, request: BeamRequest, children: list[BeamChild], dropped: list[int],
+                 out: SchedulerOutput) -> None:
+        """Free the dropped beams, fork the parents of several children (before anyone appends), append. The
+        step's record (engine/trace.py) shows the forks and drops: `out` notes them."""
         parents = list(request.seqs)
         for i in dropped:
             self.scheduler.finish(parents[i])
+            out.dropped_beams.append(parents[i].seq_id)
         new_seqs = []
         for child in children:
             parent = parents[child.parent]
             new_seqs.append(self._fork(request, parent) if child.is_fork else parent)
+            if child.is_fork:
+                out.forked_beams.append((new_seqs[-1].seq_id, parent.seq_id))
         for seq, child in zip(new_seqs, children):
             seq.append_token(child.token_id)
             self.scheduler.stats.num_generated_tokens += 1

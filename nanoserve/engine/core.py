@@ -188,7 +188,7 @@ class EngineCore:
         """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
         detokenize each new token and look for stop strings; drop the requests that are done."""
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
-        self.structured_outputs.advance(list(updated), self.scheduler.finish)  # a complete grammar finishes it
+        self.structured_outputs.advance(updated, self.scheduler.finish)  # a complete grammar finishes it
         outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
         outputs += self.beam_scheduler.step(out, self.executor.beam_logits, self.requests)  # done searches' results
         for request_id in {seq.request_id for seq in updated}:

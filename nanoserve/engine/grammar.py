@@ -5,9 +5,12 @@ A spec (`StructuredOutputsParams`) becomes a grammar; `GrammarCompiler` compiles
 drives its own `GrammarMatcher`: before a step, `fill_bitmask` writes the tokens the grammar allows next into the
 sequence's row of a bitmask (one bit per vocabulary token), `apply_bitmask` sets every other logit to -inf, and
 after sampling, `accept` advances the matcher by the sampled token. Once the grammar is complete it allows only the
-stop tokens; accepting one terminates the matcher. `rollback` undoes accepted tokens (rejected speculative ones).
+stop tokens; accepting one terminates the matcher. Speculative decoding: `valid_drafts` cuts a request's drafts to
+what the grammar allows, and `fill_bitmask` fills a row per drafted position by accepting the drafts and rolling
+them back (`rollback` undoes accepted tokens); after verification only the emitted tokens are accepted.
 """
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import torch
 import xgrammar as xgr
@@ -64,9 +67,29 @@ class GrammarMatcher:
     def __init__(self, compiled: xgr.CompiledGrammar):
         self.matcher = xgr.GrammarMatcher(compiled)
 
-    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        """Write the tokens allowed next into bitmask[row] (a CPU tensor from `allocate_bitmask`)."""
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int, draft_token_ids: Sequence[int] = ()) -> None:
+        """Write the tokens allowed next into bitmask[row] (a CPU tensor from `allocate_bitmask`). With k draft
+        tokens (speculative decoding, from `valid_drafts`), rows row .. row + k: those allowed after each prefix
+        of the drafts, one row per position the target verifies; the matcher is left where it was."""
+        for j, token_id in enumerate(draft_token_ids):
+            self.matcher.fill_next_token_bitmask(bitmask, row + j)
+            self.matcher.accept_token(token_id)
+        self.matcher.fill_next_token_bitmask(bitmask, row + len(draft_token_ids))
+        self.rollback(len(draft_token_ids))
+
+    def valid_drafts(self, draft_token_ids: list[int]) -> list[int]:
+        """The drafts cut before the first one the grammar refuses, or one that would complete it (the stop token
+        is left to the target: nothing may follow it, not even a mask); the matcher is left where it was."""
+        num_valid = 0
+        for token_id in draft_token_ids:
+            if not self.accept(token_id):
+                break
+            if self.is_terminated():
+                self.rollback(1)
+                break
+            num_valid += 1
+        self.rollback(num_valid)
+        return draft_token_ids[:num_valid]
 
     def accept(self, token_id: int) -> bool:
         """Advance by one token; False (and no change) if the grammar does not allow it there."""

@@ -192,7 +192,7 @@ class Scheduler(SchedulerPolicies):
             if seq.is_finished:
                 continue
             if drafts:  # speculative decoding: a run of up to 1 + k tokens, then the rollback
-                updated += accept_tokens(self, seq, start, drafts, new_token_ids)
+                updated += accept_tokens(self, out, seq, start, drafts, new_token_ids)
                 continue
             if seq.status == SequenceStatus.RUNNING:  # (a preempted one no longer holds these blocks)
                 self.block_manager.hash_blocks(seq, start, start + num_tokens)  # their KV is written now

@@ -24,6 +24,10 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified
+    # What the step's output did, written as it is taken in, for the step's record (engine/trace.py):
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> how many of its drafts passed
+    forked_beams: list[tuple[int, int]] = field(default_factory=list)  # (new beam, the beam it forked from)
+    dropped_beams: list[int] = field(default_factory=list)  # beams without a child: their blocks freed
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -38,5 +42,8 @@ class SchedulerOutput:
             self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def is_decode(self, i: int) -> bool:
-        """Row i computes just its sequence's newest token, one the model generated (else: prefill work)."""
-        return self.num_scheduled_tokens[i] == 1 and self.num_computed_tokens[i] >= self.seqs[i].num_prompt_tokens
+        """Row i computes just its sequence's newest token, one the model generated, and the drafts after it if it
+        verifies any (speculative decoding); else it does prefill work."""
+        seq = self.seqs[i]
+        num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, []))
+        return self.num_scheduled_tokens[i] == 1 + num_drafts and self.num_computed_tokens[i] >= seq.num_prompt_tokens

@@ -19,7 +19,10 @@ class ScheduledRequest:
     num_tokens: int  # tokens computed this step
     start: int  # position of the first of them (num_computed_tokens before the step)
     sampled: bool  # the step reached the request's end, so a next token was sampled (async scheduling: maybe dropped)
-    is_decode: bool  # computed just its newest token, one the model generated
+    is_decode: bool  # computed just its newest token, one the model generated (and its drafts, if any)
+    # Speculative decoding: the draft tokens it verified (num_tokens counts them too), and how many passed.
+    spec_token_ids: list[int] = field(default_factory=list)
+    num_accepted_tokens: int = 0
 
 
 @dataclass
@@ -45,13 +48,19 @@ class StepRecord:
     # shares which block (nanoserve/tools/beam_trace.py draws a beam search's forks, frees and copies).
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     blocks_copied: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
+    # Beam search: the beams forked this step, each (new beam, the beam whose blocks it shares), and the beams
+    # that had no child (their blocks freed; all of a search's beams in its last step).
+    forked: list[tuple[int, int]] = field(default_factory=list)
+    dropped: list[int] = field(default_factory=list)
 
 
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
+    drafts = out.scheduled_spec_decode_tokens
     scheduled = [ScheduledRequest(request_id=seq.request_id, seq_id=seq.seq_id, num_tokens=n, start=start,
-                                  sampled=sample, is_decode=out.is_decode(i))
+                                  sampled=sample, is_decode=out.is_decode(i), spec_token_ids=drafts.get(seq.seq_id, []),
+                                  num_accepted_tokens=out.num_accepted_tokens.get(seq.seq_id, 0))
                  for i, (seq, n, start, sample) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
                                                                  out.num_computed_tokens, out.do_sample))]
     decodes = [r.is_decode for r in scheduled]
@@ -79,6 +88,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         seq_requests={seq.seq_id: (seq.request_id, seq.index) for seq in named},
         block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
         blocks_copied=list(out.blocks_to_copy),
+        forked=list(out.forked_beams), dropped=list(out.dropped_beams),
     )
 
 
@@ -90,6 +100,7 @@ class StepView:
     labels: dict[int, str]  # each scheduled sequence: its tokens ("8"), "*" if it sampled nothing, "@N" if it
     # started at position N, past its own computation: the N tokens before came from the prefix cache
     hits: dict[int, int]  # prefills that started past their own computation: how many tokens the cache gave
+    spec: dict[int, tuple[int, int]]  # each sequence that verified drafts: (drafts accepted, drafts proposed)
 
 
 class StepRecorder:
@@ -119,7 +130,8 @@ class StepRecorder:
 class StepReader:
     """Reads the records in order and tells each sequence's state in each step: "waiting", "prefill" (a whole
     prompt or a chunk), "decode", "idle" (running, not scheduled), "preempted" (waiting or computing again
-    after a recompute preemption, until it samples again), "swapped" or "finished"."""
+    after a recompute preemption, until it samples again), "swapped" or "finished". A beam forked in a step
+    has no state in it: it starts in the next."""
 
     def __init__(self) -> None:
         self.recomputing: set[int] = set()  # preempted to recompute, not yet back where they were
@@ -129,13 +141,16 @@ class StepReader:
     def read(self, rec: StepRecord) -> StepView:
         scheduled = {r.seq_id: r for r in rec.scheduled}
         self.recomputing |= set(rec.recomputed) - scheduled.keys()
-        labels, hits = {}, {}
+        labels, hits, spec = {}, {}, {}
         for r in rec.scheduled:
             at = r.start != self.computed.get(r.seq_id, 0)
             labels[r.seq_id] = f"{r.num_tokens}{f'@{r.start}' if at else ''}{'' if r.sampled else '*'}"
             if at and not r.is_decode:
                 hits[r.seq_id] = r.start
-            self.computed[r.seq_id] = r.start + r.num_tokens
+            if r.spec_token_ids:
+                spec[r.seq_id] = (r.num_accepted_tokens, len(r.spec_token_ids))
+            # (the KV of rejected drafts does not count: the next step computes over it)
+            self.computed[r.seq_id] = r.start + r.num_tokens - len(r.spec_token_ids) + r.num_accepted_tokens
         states = dict.fromkeys(rec.finished, "finished")
         states |= dict.fromkeys(rec.running, "idle")
         states |= {seq_id: "preempted" if seq_id in self.recomputing else "waiting" for seq_id in rec.waiting}
@@ -144,11 +159,14 @@ class StepReader:
             states[seq_id] = "preempted" if seq_id in self.recomputing else "decode" if r.is_decode else "prefill"
             if r.sampled:
                 self.recomputing.discard(seq_id)
+        for child, _ in rec.forked:  # a beam forked at the end of the step: it starts with the next one
+            states.pop(child, None)
         self.computed.update((seq_id, 0) for seq_id in rec.recomputed)
+        self.computed.update((child, self.computed[parent]) for child, parent in rec.forked)
         # A sequence out of every queue has finished (or was aborted) for good: forget it, a step later (with async
         # scheduling, the step in flight when it finished computes its token still, and drops it).
         live = {*rec.waiting, *rec.running, *rec.swapped}
         keep, self.live = live | self.live, live
         self.recomputing &= keep
         self.computed = {seq_id: n for seq_id, n in self.computed.items() if seq_id in keep}
-        return StepView(states, labels, hits)
+        return StepView(states, labels, hits, spec)

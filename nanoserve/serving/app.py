@@ -41,6 +41,8 @@ from nanoserve.serving.protocol import (
     Usage,
 )
 from nanoserve.serving.structured import chat_tools, structured_outputs_params, with_tool_calls
+from nanoserve.serving.tool_messages import conversation
+from nanoserve.serving.tool_stream import ToolCallStream
 from nanoserve.structured_outputs import StructuredOutputsParams
 
 Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta output), in the order they come
@@ -157,9 +159,10 @@ def event(response: Response | dict | str) -> str:
 
 
 async def stream_events(outputs: Outputs, header: dict, chat: bool, num_choices: int, n: int,
-                        logprobs: LogprobsFormat | None, include_usage: bool, echo: Echo | None) -> AsyncIterator[str]:
+                        logprobs: LogprobsFormat | None, include_usage: bool, echo: Echo | None,
+                        tool_calls: ToolCallStream | None = None) -> AsyncIterator[str]:
     """Server-sent events: a chunk per delta (choice i * n + j), a last one per choice with finish_reason, usage
-    if asked, then [DONE]."""
+    if asked, then [DONE]. tool_calls: turns the text into tool-call deltas (serving/tool_stream.py)."""
     num_tokens, text_lens, usage = {}, {}, Usage()
     try:
         if chat:  # OpenAI's first chunk names the role
@@ -174,7 +177,8 @@ async def stream_events(outputs: Outputs, header: dict, chat: bool, num_choices:
             if shown.text or c.finish_reason or shown.logprobs:
                 lps = logprobs and logprobs(shown.token_ids, shown.logprobs or [], text_lens.get(index, 0))
                 choice = make_choice(chat, True, index, shown.text, c.finish_reason, c.stop_reason, lps)
-                yield event(Response(**header, choices=[choice]))
+                if tool_calls is None or tool_calls.rewrite(choice):
+                    yield event(Response(**header, choices=[choice]))
             text_lens[index] = text_lens.get(index, 0) + len(shown.text)
             if out.finished:
                 usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
@@ -255,7 +259,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             events = stream_events(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage,
-                                   echo)
+                                   echo, ToolCallStream.of(request, tool_call_parser))
             return StreamingResponse(events, media_type="text/event-stream")
         response = await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs, echo), raw)
         return with_tool_calls(response, request, tool_call_parser) if chat else response
@@ -276,9 +280,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
         if tokenizer is None:
             raise APIError(400, "messages: this model folder has no tokenizer, so no chat template", "messages")
-        conversation = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = conversation(request.messages, tokenizer.chat_template)  # tool calls and results too
         try:
-            text = tokenizer.apply_chat_template(conversation, tools=chat_tools(request), tokenize=False,
+            text = tokenizer.apply_chat_template(messages, tools=chat_tools(request), tokenize=False,
                                                  add_generation_prompt=True)
         except Exception as e:  # the template's own checks (jinja2 raises for roles it does not know)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e

@@ -26,6 +26,7 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 
+from nanoserve.config import Config
 from nanoserve.engine.trace import StepReader, StepRecord, StepView
 from nanoserve.serving.protocol import APIError
 
@@ -38,13 +39,24 @@ def step_json(rec: StepRecord, view: StepView) -> dict:
     return dict(
         step=rec.step, kind=rec.kind, time=rec.time,
         batch=[dict(seq=r.seq_id, tokens=r.num_tokens, sampled=r.sampled, decode=r.is_decode,
-                    label=view.labels[r.seq_id]) for r in rec.scheduled],
+                    label=view.labels[r.seq_id], **({"spec": view.spec[r.seq_id]} if r.seq_id in view.spec else {}))
+               for r in rec.scheduled],  # spec: [drafts accepted, drafts proposed], for a verifying sequence only
         states=view.states, hits=view.hits,  # (JSON turns the ids that key them into strings)
         recomputed=rec.recomputed, swapped_out=rec.swapped_out, swapped_in=rec.swapped_in, finished=rec.finished,
+        forked=rec.forked, dropped=rec.dropped,  # beam search: [new beam, parent] pairs; beams freed
         waiting=rec.waiting, running=rec.running, swapped=rec.swapped,
         blocks=dict(used=rec.num_used_blocks, cached=rec.num_cached_blocks, free=rec.num_free_blocks),
         tokens=rec.num_scheduled_tokens, budget=rec.token_budget,
     )
+
+
+def page_config(c: Config, model_name: str) -> dict:
+    """The engine's settings, which the page's header shows (the first event of every stream)."""
+    return dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
+                max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
+                enable_prefix_caching=c.enable_prefix_caching, preemption_mode=c.preemption_mode,
+                scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling,
+                speculative_config=asdict(c.speculative_config) if c.speculative_config else None)
 
 
 def read_engine(core, max_blocks: int, max_requests: int) -> dict:
@@ -157,11 +169,7 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
     stream = StepStream(core)
     stream.engine = stream.read_engine()  # the server takes no request yet: the engine thread is idle
     core.recorder.listeners.append(stream.record)
-    c = core.config
-    config = dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
-                  max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
-                  enable_prefix_caching=c.enable_prefix_caching, preemption_mode=c.preemption_mode,
-                  scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling)
+    config = page_config(core.config, model_name)
     page = PAGE.read_text()
 
     def check_key(request: Request) -> None:

@@ -73,9 +73,24 @@ class TextPart(BaseModel):
     text: str
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str  # the arguments as JSON text
+
+
+class ToolCall(BaseModel):
+    """A call the assistant made: in a response's message, and in the chat history a client sends back."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | list[TextPart] | None = None
+    tool_calls: list[ToolCall] | None = None  # role "assistant": the calls it made (content may be null then)
+    tool_call_id: str | None = None  # role "tool": which call this is the result of (serving/tool_messages.py)
 
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -161,16 +176,20 @@ class CompletionChoice(Choice):
     text: str
 
 
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: dict  # {"name": ..., "arguments": the arguments as JSON text}
+class ToolCallDelta(BaseModel):
+    """A streamed piece of a tool call: its first names it (id, type, function.name), the next ones carry
+    function.arguments fragments; `index` says which call of the message (serving/tool_stream.py)."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: dict  # {"name"?: ..., "arguments": the next piece of JSON text}
 
 
 class DeltaMessage(BaseModel):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    tool_calls: list[ToolCall] | list[ToolCallDelta] | None = None  # (deltas: streamed)
 
 
 class ChatChoice(Choice):

@@ -7,6 +7,7 @@
   of the tools' argument schemas each; a named function: to that function's argument schema alone.
 - `tool_choice` "auto" (the server started with --enable-auto-tool-choice --tool-call-parser hermes): the output
   is free; the hermes parser takes each <tool_call>{"name": ..., "arguments": {...}}</tool_call> out of the text.
+Streamed, the calls come as deltas (serving/tool_stream.py); calls in the chat history: serving/tool_messages.py.
 """
 import json
 import re
@@ -68,8 +69,6 @@ def tool_mode(request: SamplingRequest, tool_call_parser: str | None) -> str | N
         if choice not in (None, "none"):
             raise APIError(400, "tool_choice: needs tools", "tool_choice")
         return None
-    if request.stream:  # tool calls are parsed out of the whole answer
-        raise APIError(400, "stream: tool calls are answered whole; streaming with tools is not supported", "stream")
     choice = choice or "auto"
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name")

@@ -43,24 +43,18 @@ class BeamStep:
 
 def beam_steps(trace: list[StepRecord]) -> list[BeamStep]:
     """The records read as a beam search's steps (one request in the trace); beams are named A, B, C... in the
-    order they appear. A new beam forked from the oldest beam whose block table its own equals: a fork shares
-    all of it, and nothing writes before the next step's copy-on-write (the prompt's sequence forks from none)."""
+    order they appear. Who forked from whom and who was dropped come from the records (`forked`, `dropped`)."""
     names: dict[int, str] = {}
-    steps, before = [], {}
+    steps = []
     for rec in trace:
         for seq_id in sorted(rec.block_tables):
             names.setdefault(seq_id, ascii_uppercase[len(names) % 26])
         tables = {names[s]: t for s, t in rec.block_tables.items()}
-        forks = []
-        for seq_id, table in rec.block_tables.items():
-            parent = min(s for s, t in rec.block_tables.items() if t == table)
-            if seq_id not in before and parent != seq_id:
-                forks.append((names[seq_id], names[parent]))
         steps.append(BeamStep(step=rec.step, kind=rec.kind, tables=tables,
                               holders=Counter(b for t in tables.values() for b in t), copies=rec.blocks_copied,
-                              forks=forks, freed=[names[s] for s in before if s not in rec.block_tables],
+                              forks=[(names[child], names[parent]) for child, parent in rec.forked],
+                              freed=[names[s] for s in rec.dropped],
                               num_tokens=max((r.start + r.num_tokens for r in rec.scheduled), default=0)))
-        before = rec.block_tables
     return steps
 
 

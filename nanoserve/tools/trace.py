@@ -10,7 +10,6 @@ In Python: `llm = LLM(..., trace=True)`, generate, then `print_trace(llm.trace)`
 import argparse
 import os
 import random
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -39,13 +38,21 @@ MARKERS = {  # event: (marker, legend label)
     "swapped_in": ("^", "swapped in"),
 }
 
+FORKED = "beam forked (shares its parent's blocks)"
+DROPPED = ("s", "beam dropped (blocks freed)")
+SPEC = "4[2/3]: 3 drafts in 4 tokens, 2 accepted (the bar)"
+ACCEPTED = "#009e73"  # speculative decoding: the share of a cell's draft tokens accepted
+
 
 def default_names(trace: list[StepRecord]) -> dict[int, str]:
-    """A row name per sequence id: its request id, with the sequence's index if the request has n > 1."""
-    seqs = {seq_id: place for rec in trace for seq_id, place in rec.seq_requests.items()}
-    num_seqs = Counter(request_id for request_id, _ in seqs.values())
-    return {seq_id: request_id if num_seqs[request_id] == 1 else f"{request_id}.{index}"
-            for seq_id, (request_id, index) in seqs.items()}
+    """A row name per sequence id: its request id, and if the request has several sequences (n > 1, or the
+    beams of a beam search), which one: .0, .1... in the order they came (for n > 1, the sequence's index)."""
+    seqs = {seq_id: request_id for rec in trace for seq_id, (request_id, _) in rec.seq_requests.items()}
+    order: dict[str, list[int]] = {}
+    for seq_id in sorted(seqs):
+        order.setdefault(seqs[seq_id], []).append(seq_id)
+    return {seq_id: request_id if len(order[request_id]) == 1 else f"{request_id}.{order[request_id].index(seq_id)}"
+            for seq_id, request_id in seqs.items()}
 
 
 def request_states(trace: list[StepRecord]) -> dict[int, list[str]]:
@@ -63,30 +70,48 @@ def request_states(trace: list[StepRecord]) -> dict[int, list[str]]:
 
 def token_labels(trace: list[StepRecord]) -> list[dict[int, str]]:
     """Per step, per scheduled request: the tokens it computed, "*" if it sampled nothing (a chunk short of
-    the end), "@N" if it started at position N, past its own computation: the tokens before were cache hits."""
+    the end), "@N" if it started at position N, past its own computation: the tokens before were cache hits;
+    with speculative decoding, "[a/p]": of the p draft tokens it verified (counted in the tokens), a passed."""
     reader = StepReader()
-    return [reader.read(rec).labels for rec in trace]
+    views = [reader.read(rec) for rec in trace]
+    return [{seq_id: label + (f"[{view.spec[seq_id][0]}/{view.spec[seq_id][1]}]" if seq_id in view.spec else "")
+             for seq_id, label in view.labels.items()} for view in views]
+
+
+def spec_totals(rec: StepRecord) -> str:
+    """A step's draft tokens, all requests together: "accepted/proposed", or "-" if it verified none."""
+    proposed = sum(len(r.spec_token_ids) for r in rec.scheduled)
+    return f"{sum(r.num_accepted_tokens for r in rec.scheduled)}/{proposed}" if proposed else "-"
 
 
 # ---- the step table -----------------------------------------------------------------------------------------
 def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -> str:
     """The articles' step table: who ran and how many tokens each (* = a chunk that sampled nothing,
-    @N = started at position N, the tokens before came from the prefix cache), what happened to whom,
-    the queues (waiting/running/swapped), the KV blocks (used/free-but-cached/free) after the step, and the
-    milliseconds since the step before (in a busy engine: the step's time)."""
+    @N = started at position N, the tokens before came from the prefix cache, [a/p] = a of its p draft
+    tokens accepted), what happened to whom (beam search: "X<Y forked", X a new beam sharing Y's blocks;
+    "dropped", a beam without a child, its blocks freed), the queues (waiting/running/swapped), the KV blocks
+    (used/free-but-cached/free) after the step, with speculative decoding the step's drafts accepted/proposed,
+    and the milliseconds since the step before (in a busy engine: the step's time)."""
     names = names or default_names(trace)
+    speculating = any(r.spec_token_ids for rec in trace for r in rec.scheduled)  # (else no spec column)
     lines = [f"{'step':>4}  {'kind':<7}  {'batch':<30}  {'events':<26}  {'w/r/s':<8}  {'blocks u/c/f':<12}  "
-             f"{'tokens/budget':<13}  {'ms':>6}"]
+             f"{'tokens/budget':<13}  {'spec a/p  ' if speculating else ''}{'ms':>6}"]
     for rec, prev, labels in zip(trace, [None, *trace], token_labels(trace)):
         batch = [f"{names[rid]}:{label}" for rid, label in labels.items()]
-        events = [f"{' '.join(names[i] for i in ids)} {what}" for what, ids in (("preempted", rec.recomputed),
-                  ("swapped out", rec.swapped_out), ("swapped in", rec.swapped_in), ("finished", rec.finished)) if ids]
+        who = {what: [names[i] for i in ids] for what, ids in (("preempted", rec.recomputed), ("swapped out",
+               rec.swapped_out), ("swapped in", rec.swapped_in), ("dropped", rec.dropped), ("finished", rec.finished))}
+        who["forked"] = [f"{names[child]}<{names[parent]}" for child, parent in rec.forked]
+        events = [f"{' '.join(who[what])} {what}" for what in EVENTS if who[what]]
         queues = f"{len(rec.waiting)}/{len(rec.running)}/{len(rec.swapped)}"
         blocks = f"{rec.num_used_blocks}/{rec.num_cached_blocks}/{rec.num_free_blocks}"
+        spec = f"{spec_totals(rec):<8}  " if speculating else ""
         ms = "-" if prev is None else f"{(rec.time - prev.time) * 1e3:.1f}"  # since the step before
         lines.append(f"{rec.step:>4}  {rec.kind:<7}  {' '.join(batch):<30}  {', '.join(events):<26}  {queues:<8}  "
-                     f"{blocks:<12}  {f'{rec.num_scheduled_tokens}/{rec.token_budget}':<13}  {ms:>6}")
+                     f"{blocks:<12}  {f'{rec.num_scheduled_tokens}/{rec.token_budget}':<13}  {spec}{ms:>6}")
     return "\n".join(lines)
+
+
+EVENTS = ("preempted", "swapped out", "swapped in", "forked", "dropped", "finished")  # the table's order
 
 
 def print_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -> None:
@@ -99,7 +124,11 @@ def plot_timeline(trace: list[StepRecord], path: str, names: dict[int, str] | No
     show the tokens computed as in the table (token_labels) and markers show preemptions and swaps."""
     names = names or default_names(trace)
     states = request_states(trace)
-    ids = sorted(states)
+    request_of = {seq_id: request_id for rec in trace for seq_id, (request_id, _) in rec.seq_requests.items()}
+    first_seq = {}  # a request's sequences (its beams) stay together, in the order the requests came
+    for seq_id in sorted(states):
+        first_seq.setdefault(request_of[seq_id], seq_id)
+    ids = sorted(states, key=lambda seq_id: (first_seq[request_of[seq_id]], seq_id))
     num_steps = len(trace)
     fig = Figure(figsize=(min(14, max(7.5, 3 + 0.35 * num_steps)), 2.2 + 0.4 * len(ids)), dpi=100, layout="constrained")
     ax = fig.add_subplot()
@@ -112,15 +141,29 @@ def plot_timeline(trace: list[StepRecord], path: str, names: dict[int, str] | No
     ax.set_ylim(len(ids) - 0.5, -0.5)
     label_cells = num_steps <= 60
     for t, (rec, labels) in enumerate(zip(trace, token_labels(trace))):
+        drafts = {r.seq_id: r for r in rec.scheduled if r.spec_token_ids}
         for rid, label in labels.items() if label_cells else []:
             state = states[rid][t]
             box = dict(boxstyle="round,pad=0.15", facecolor="white", edgecolor="none") if STATES[state][1] else None
-            ax.text(t, ids.index(rid), label, ha="center", va="center", fontsize=8 if len(label) < 4 else 7,
-                    color="white" if state in DARK and not box else "black", bbox=box)
+            ax.text(t, ids.index(rid) - 0.12 * (rid in drafts), label, ha="center", va="center",
+                    fontsize=8 if len(label) < 4 else 7, color="white" if state in DARK and not box else "black",
+                    bbox=box)
+        for rid, r in drafts.items():  # speculative decoding: a bar along the cell's foot, the drafts accepted
+            y = ids.index(rid) + 0.22
+            ax.add_patch(Rectangle((t - 0.4, y), 0.8, 0.16, facecolor="white", edgecolor="black", linewidth=0.5))
+            ax.add_patch(Rectangle((t - 0.4, y), 0.8 * r.num_accepted_tokens / len(r.spec_token_ids), 0.16,
+                                   facecolor=ACCEPTED, edgecolor="none"))
         for event, (marker, _) in MARKERS.items():
             for rid in getattr(rec, event):
                 ax.plot(t - 0.5, ids.index(rid), marker=marker, color="black", markersize=9,
                         markeredgecolor="white", markeredgewidth=0.8, linestyle="none", clip_on=False)
+        # Beam search, after the step: a line from each new beam's parent to its first cell; a dropped beam's end.
+        for child, parent in rec.forked:
+            ax.plot([t + 0.5] * 2, [ids.index(parent), ids.index(child)], color="black", linewidth=1.5,
+                    marker="o", markersize=4, clip_on=False)
+        for rid in rec.dropped:
+            ax.plot(t + 0.5, ids.index(rid), marker=DROPPED[0], color="black", markersize=9, markeredgecolor="white",
+                    markeredgewidth=0.8, linestyle="none", clip_on=False)
     ax.set_yticks(range(len(ids)), [names[i] for i in ids])
     ax.set_xticks(range(0, num_steps, max(1, num_steps // 25)))
     ax.set_xlabel("engine step")
@@ -131,6 +174,12 @@ def plot_timeline(trace: list[StepRecord], path: str, names: dict[int, str] | No
                for s in STATES if s in used]
     handles += [ax.plot([], [], marker=m, color="black", linestyle="none", label=label)[0]
                 for event, (m, label) in MARKERS.items() if any(getattr(rec, event) for rec in trace)]
+    if any(rec.forked for rec in trace):
+        handles.append(ax.plot([], [], marker="o", markersize=4, color="black", label=FORKED)[0])
+    if any(rec.dropped for rec in trace):
+        handles.append(ax.plot([], [], marker=DROPPED[0], color="black", linestyle="none", label=DROPPED[1])[0])
+    if any(r.spec_token_ids for rec in trace for r in rec.scheduled):
+        handles.append(Patch(facecolor=ACCEPTED, edgecolor="#888888", label=SPEC))
     fig.legend(handles=handles, loc="outside lower center", ncol=3, fontsize=8, frameon=False)
     fig.savefig(path)
 

@@ -8,6 +8,7 @@ written but is wrong for what follows, so num_computed_tokens rolls back over th
 from dataclasses import dataclass, field
 
 from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from nanoserve.utils.math import cdiv
@@ -74,10 +75,10 @@ def free_tail(block_manager: BlockManager, seq: Sequence, num_tokens: int) -> No
     block_manager.free_block_ids.extendleft(reversed([b for b in tail if block_manager.blocks[b].ref_count == 0]))
 
 
-def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
+def accept_tokens(scheduler, out: SchedulerOutput, seq: Sequence, start: int, drafts: list[int],
                   row: list[int]) -> list[Sequence]:
-    """Take in seq's verification for the Scheduler (its postprocess, which imports this module, so untyped):
-    row holds the rejection sampler's 1 + k outputs, the emitted tokens then PLACEHOLDER_TOKEN_IDs.
+    """Take in seq's verification in step `out` for the Scheduler (its postprocess, which imports this module,
+    so untyped): row holds the rejection sampler's 1 + k outputs, the emitted tokens then PLACEHOLDER_TOKEN_IDs.
     num_computed_tokens rolls back over the rejected drafts; the emitted tokens are appended one at a time,
     each checked for EOS, stop tokens and max_tokens (the rest dropped); only blocks full of verified tokens
     are hashed; the blocks past them go back. Returns seq once per token appended."""
@@ -91,6 +92,7 @@ def accept_tokens(scheduler, seq: Sequence, start: int, drafts: list[int],
     seq.num_computed_tokens -= num_rejected if pool is not None else 0
     seq.spec_token_ids = []
     scheduler.stats.spec_decoding.observe(len(drafts), len(emitted) - 1)
+    out.num_accepted_tokens[seq.seq_id] = len(emitted) - 1  # (the step's record shows it: engine/trace.py)
     for token_id in emitted:
         seq.append_token(token_id)
         scheduler.stats.num_generated_tokens += 1

@@ -35,4 +35,3 @@ class NgramProposer:
             return []
         start = ends[0] + 1  # the earliest occurrence of the longest match
         return tokens[start : start + k].tolist()
-

@@ -24,12 +24,15 @@ def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> None
             continue
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)
-        # (A grammar-constrained request or a beam gets none: its matcher, or its search, takes a token a step.)
+        # (A beam gets none: its search takes a token a step. A grammar keeps the n-gram drafts it allows; a
+        # draft model's drafts are drawn unmasked, so a grammar-constrained request takes none of them.)
         decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.beam_search is None
-                    and seq.sampling_params.structured_outputs is None)
+                    and (ngram is not None or seq.grammar is None))
         if not (enabled and decoding and k):
             seq.spec_token_ids = []
         elif ngram is not None:
             seq.spec_token_ids = ngram.propose_one(np.asarray(seq.token_ids), k)
+            if seq.grammar is not None:
+                seq.spec_token_ids = seq.grammar.valid_drafts(seq.spec_token_ids)
         else:
             seq.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * k
