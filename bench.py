@@ -129,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="nanoserve: stages of layers (P x T processes; with --async-scheduling, P batches in flight)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     args.scenario = ("shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm
@@ -260,7 +262,8 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
     llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              tensor_parallel_size=args.tensor_parallel_size, compile_elementwise=args.compile_elementwise, **options)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              compile_elementwise=args.compile_elementwise, **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
     # It also compiles the Triton kernels' variants that CUDA graphs did not: warmup_s shows that cost.
