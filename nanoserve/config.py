@@ -79,6 +79,7 @@ class Config:
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
+    compile_elementwise: bool = False  # CPU: torch.compile RMSNorm, SwiGLU and RoPE (layers/compile_elementwise.py)
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
@@ -136,6 +137,9 @@ class Config:
             raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {self.block_size}")
         if self.attention_backend == "triton" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
+        if self.compile_elementwise and self.device != "cpu":
+            raise ValueError(f"compile_elementwise=True is for CPU (not tried with CUDA graphs), got device "
+                             f"{self.device!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
