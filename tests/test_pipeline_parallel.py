@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from conftest import ARCHS, hf_greedy, make_model, random_prompts
+from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.core import EngineCore
 from nanoserve.models.pipeline import stage_layers
@@ -165,20 +165,6 @@ def test_sigterm_leaves_no_worker(models, tmp_path):
 @pytest.mark.parametrize("in_flight", [False, True])
 def test_a_killed_stage_raises_a_clear_error_within_seconds(models, in_flight):
     llm = LLM(models["qwen3"], pipeline_parallel_size=2, async_scheduling=in_flight, **OPTIONS)
-    runner, worker = llm.engine.model_runner, llm.engine.executor.procs[0]
-    run_model, calls = runner.run_model, []
-
-    def kill_worker_then_run(*args):  # the last stage has got this step: rank 0 will wait for its logits
-        calls.append(1)
-        if len(calls) == 3:
-            os.kill(worker.pid, signal.SIGKILL)
-        return run_model(*args)
-
-    runner.run_model = kill_worker_then_run
-    start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
-        llm.generate(random_prompts(4), GREEDY, use_tqdm=False)
-    assert time.perf_counter() - start < 10
+    # The last stage has got the step when its worker dies: rank 0 waits for its logits.
+    worker = assert_killed_worker_fails_fast(llm, random_prompts(4), GREEDY)
     assert not worker.is_alive()
-    with pytest.raises(RuntimeError, match="cannot run any more"):
-        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
