@@ -124,9 +124,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the bare matrix multiplies of every step nanoserve ran (the physical limit)")
     p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no CUDA graphs")
     p.add_argument("--async-scheduling", action="store_true", help="nanoserve: plan each step during the last")
+    p.add_argument("--compile-elementwise", action="store_true",
+                   help="nanoserve (CPU): torch.compile RMSNorm, SwiGLU and RoPE")
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="nanoserve: stages of layers (P x T processes; with --async-scheduling, P batches in flight)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     args.scenario = ("shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm
@@ -258,7 +262,8 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
     llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
-              tensor_parallel_size=args.tensor_parallel_size, **options)
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              compile_elementwise=args.compile_elementwise, **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
     # It also compiles the Triton kernels' variants that CUDA graphs did not: warmup_s shows that cost.
@@ -266,7 +271,8 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     result = run_nanoserve(llm, prompts, output_lens, warmup)
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
-                  async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs)
+                  async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
+                  compile_elementwise=config.compile_elementwise)
     if config.speculative_config is not None:
         spec = llm.stats.spec_decoding
         result.update(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
@@ -568,7 +574,8 @@ def print_table(results: dict, ratios: dict[str, float]) -> None:
 
 
 def nanoserve_name(dtype: str, args) -> str:
-    return f"nanoserve {dtype}" + " eager" * args.enforce_eager + " async" * args.async_scheduling
+    return (f"nanoserve {dtype}" + " eager" * args.enforce_eager + " async" * args.async_scheduling
+            + " compiled" * args.compile_elementwise)
 
 
 def main(argv=None) -> dict:

@@ -46,6 +46,7 @@ LIMITS = (
     ("max_model_len", Integral, lambda v: v >= 1, ">= 1"),
     ("block_size", Integral, lambda v: v >= 1, ">= 1"),
     ("tensor_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
+    ("pipeline_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
     ("num_kvcache_blocks", Integral, lambda v: v >= 1, ">= 1"),  # or None: sized from memory
     ("gpu_memory_utilization", Real, lambda v: 0 < v <= 1, "in (0, 1]"),
     ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
@@ -76,12 +77,14 @@ class Config:
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` values are served first (V0)
     preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
-    async_scheduling: bool = False  # plan step N+1 while step N's forward runs (docs/engine.md)
+    async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
+    compile_elementwise: bool = False  # CPU: torch.compile RMSNorm, SwiGLU and RoPE (layers/compile_elementwise.py)
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
+    pipeline_parallel_size: int = 1  # stages that each hold 1/P of the layers, T ranks each (docs/parallelism.md)
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
     hf_config: PretrainedConfig = field(init=False, repr=False)
@@ -134,6 +137,9 @@ class Config:
             raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {self.block_size}")
         if self.attention_backend == "triton" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
+        if self.compile_elementwise and self.device != "cpu":
+            raise ValueError(f"compile_elementwise=True is for CPU (not tried with CUDA graphs), got device "
+                             f"{self.device!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
@@ -151,11 +157,28 @@ class Config:
                              "must divide one another (fewer KV heads than ranks are replicated)")
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
+        self._validate_pipeline()
         if self.speculative_config is not None:
             self._validate_speculative_config()
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
+
+    def _validate_pipeline(self) -> None:
+        """Every stage needs a layer; torchrun must have started P x T ranks; on one machine every rank needs a GPU."""
+        p, num_layers = self.pipeline_parallel_size, self.hf_config.num_hidden_layers
+        if p > num_layers:
+            raise ValueError(f"pipeline_parallel_size ({p}) exceeds the model's {num_layers} layers "
+                             "(num_hidden_layers): every stage needs at least one")
+        world = p * self.tensor_parallel_size
+        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", world)) != world:  # engine/torchrun.py
+            raise ValueError(f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes, but "
+                             f"pipeline_parallel_size x tensor_parallel_size is {p} x {self.tensor_parallel_size}")
+        if p > 1 and self.device == "cuda" and world > torch.cuda.device_count() and "RANK" not in os.environ:
+            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size ({p} x {self.tensor_parallel_size}) "
+                             f"exceeds the {torch.cuda.device_count()} CUDA devices")
+        if p > 1:  # a CUDA graph would replay a stage's send/recv with stale shapes: stages run eagerly
+            self.enforce_eager = True
 
     def _validate_speculative_config(self) -> None:
         """Its own keys (speculative_config.py), then the draft model's fit with the target."""
@@ -177,10 +200,17 @@ class Config:
         vocabs = [AutoTokenizer.from_pretrained(p).get_vocab() for p in (path, self.model) if has_tokenizer(p)]
         if len(vocabs) == 2 and vocabs[0] != vocabs[1]:
             raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
-        if self.tensor_parallel_size > 1:
+        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
             raise ValueError("speculative_config.method='draft_model' runs the draft on one rank: it needs "
-                             "tensor_parallel_size=1 (n-gram speculation works with tensor parallelism)")
+                             "tensor_parallel_size=1 and pipeline_parallel_size=1 (n-gram speculation works with "
+                             "tensor parallelism)")
         self.max_model_len = min(self.max_model_len, draft.max_position_embeddings)  # it computes every position too
+
+    @property
+    def num_batches_in_flight(self) -> int:
+        """The batch queue's size with async_scheduling: two (plan one step while the other runs), or one per
+        pipeline stage (each stage busy with its own batch); 1 without it: one step at a time."""
+        return max(2, self.pipeline_parallel_size) if self.async_scheduling else 1
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -1,6 +1,7 @@
 """Tiny random-weight models (fixed seed) saved as Hugging Face folders, and the transformers reference."""
 import importlib.util
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -35,6 +36,16 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=100000.0),
 }
 ARCHS = list(CONFIGS)
+
+
+@pytest.fixture(autouse=True)
+def keep_num_threads():
+    """A multi-rank LLM gives rank 0 a share of the cores (torch.set_num_threads) until it shuts down, and a
+    shutdown run from another thread (a dead stage found by the pipeline's receiver thread) restores that
+    thread's count, not the main thread's: float sums in later tests would then differ in the last bits."""
+    num_threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(num_threads)
 
 
 def make_model(path, arch: str, seed: int = 0, **overrides) -> str:
@@ -78,6 +89,29 @@ def assert_within_ties(path: str, prompts: list[list[int]], outputs: list[list[i
         picked = logits.gather(1, torch.tensor(output)[:, None])[:, 0]
         gap = (logits.max(dim=-1).values - picked).max().item()
         assert gap <= tie, f"a token {gap:.3f} below float32's best logit"
+
+
+def assert_killed_worker_fails_fast(llm, prompts: list[list[int]], params):
+    """SIGKILL worker rank 1 as rank 0 starts its third forward (the worker already has that step): generate must
+    raise a clear error within seconds instead of waiting forever, and the engine must stay dead, clearly.
+    Returns the worker, for the caller to check it is gone."""
+    runner, worker = llm.engine.model_runner, llm.engine.executor.procs[0]
+    run_model, calls = runner.run_model, []
+
+    def kill_worker_then_run(*args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(worker.pid, signal.SIGKILL)
+        return run_model(*args)
+
+    runner.run_model = kill_worker_then_run
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+        llm.generate(prompts, params, use_tqdm=False)
+    assert time.perf_counter() - start < 10
+    with pytest.raises(RuntimeError, match="cannot run any more"):
+        llm.generate([[5, 6, 7]], params, use_tqdm=False)
+    return worker
 
 
 def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60, vocab: int = 512) -> list[list[int]]:

@@ -97,6 +97,13 @@ def test_async_scheduling_flag(config_only, tmp_path):
     assert nano["output_tokens"] == report["workload"]["output_tokens"] and nano["forward_s"] > 0
 
 
+def test_compile_elementwise_flag(config_only, tmp_path):
+    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--compile-elementwise")
+    nano = report["results"]["nanoserve auto compiled"]
+    assert NANOSERVE_FIGURES <= nano.keys() and nano["compile_elementwise"] is True
+    assert nano["output_tokens"] == report["workload"]["output_tokens"] and nano["warmup_s"] > 0
+
+
 def test_shared_prefix_with_and_without_prefix_cache(config_only, tmp_path):
     report = run_bench(config_only, tmp_path / "bench.json", "--shared-prefix", "--prefix-len", "64")
     on, off = report["results"]["nanoserve (prefix cache)"], report["results"]["nanoserve (no prefix cache)"]

@@ -57,7 +57,7 @@ ELSEWHERE = {  # names the docs quote that belong to other projects or to the sh
     "cpu_attn_reshape_and_cache": "vLLM's CPU kernel that writes K/V into its cache, in that profile",
     "min_new_tokens": "transformers' generate option that min_tokens follows",
     "dynamic": "torch.compile's option (`dynamic=True`), in the account of what was tried",
-    "cores": "a formula's count of CPU cores (docs/tensor_parallel.md)",
+    "cores": "a formula's count of CPU cores (docs/parallelism.md)",
     "uptime": "the shell command whose load average the benchmarks report",
     "EventSource": "the browser's API for server-sent events, which nanoserve/serving/dashboard.html uses",
     "null": "JSON's None", "true": "JSON's True",

@@ -1,5 +1,9 @@
 """engine/input_batch.py without a model: a hand-made plan becomes exactly these tensors."""
+import random
+
+import pytest
 import torch
+from test_scheduling_random import next_token, random_case
 
 from nanoserve.engine.input_batch import InputBuilder
 from nanoserve.engine.scheduler_output import SchedulerOutput
@@ -80,3 +84,89 @@ def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch():
     # logits rows: the sampled row first, then the prompt rows (position p scores token p + 1)
     assert inputs.logits_rows.tolist() == [2, 0, 1]
     assert inputs.logprobs == [(seq, None, 0), (seq, 1, 1), (seq, 2, 2)]
+
+
+def plain_inputs(out: SchedulerOutput, bs: int) -> dict[str, list]:
+    """The step's inputs built the plain way, a Python loop over every token: the reference for InputBatch."""
+    ids, positions, slots, logits_rows, samplers = [], [], [], [], []
+    for seq, start, n, do_sample, forks in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens,
+                                               out.do_sample, out.forks):
+        for p in range(start, start + n):
+            ids.append(seq.token_ids[p] if p < len(seq.token_ids) else 0)
+            positions.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        logits_rows += [len(ids) - 1] * (1 + len(forks)) * do_sample
+        samplers += [seq, *forks] * do_sample
+    params = [seq.sampling_params for seq in samplers]
+    columns = dict(  # (dtype, values, the value that means unused): None when no row uses it
+        temperatures=(torch.float32, [p.temperature for p in params], 0),
+        top_ks=(torch.int64, [VOCAB if p.top_k == -1 else p.top_k for p in params], VOCAB),
+        top_ps=(torch.float32, [p.top_p for p in params], 1), min_ps=(torch.float32, [p.min_p for p in params], 0))
+    width = max(len(seq.block_table) for seq in out.seqs)
+    return dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_rows=logits_rows,
+                **{name: torch.tensor(values, dtype=dtype).tolist() if any(v != unused for v in values) else None
+                   for name, (dtype, values, unused) in columns.items()},
+                block_tables=[seq.block_table + [-1] * (width - len(seq.block_table)) for seq in out.seqs],
+                context_lens=[start + n for start, n in zip(out.num_computed_tokens, out.num_scheduled_tokens)])
+
+
+def as_lists(inputs) -> dict:
+    """Every tensor of a ModelInput as lists (None stays None), the sampling options' too."""
+    s, m = inputs.sampling, inputs.meta
+    tensors = dict(input_ids=inputs.input_ids, positions=inputs.positions, logits_rows=inputs.logits_rows,
+                   slot_mapping=m.slot_mapping, block_tables=m.block_tables, context_lens=m.context_lens,
+                   cu_seqlens_q=m.cu_seqlens_q, cu_seqlens_k=m.cu_seqlens_k, temperatures=s.temperatures,
+                   top_ks=s.top_ks, top_ps=s.top_ps, min_ps=s.min_ps,
+                   min_tokens_mask=None if s.min_tokens_mask is None else torch.stack(s.min_tokens_mask))
+    if s.penalties is not None:
+        tensors.update(vars(s.penalties))
+    lists = {name: None if t is None else (t.dtype, t.tolist()) for name, t in tensors.items()}
+    return lists | dict(max_seqlen=(m.max_seqlen_q, m.max_seqlen_k), sample_seq_ids=inputs.sample_seq_ids,
+                        placeholders=(inputs.placeholder_rows, inputs.placeholder_seq_ids))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models, seed):
+    """Random arrivals, chunked prefill, preemption (recompute and swap), copy-on-write forks (n > 1), prefix
+    caching and finishing (test_scheduling_random's cases), with random sampling options per request: one
+    InputBuilder kept across the steps builds exactly what a new one builds each step, and what a plain
+    Python loop over the tokens builds."""
+    rng = random.Random(seed)
+    config, requests, scheduler = random_case(rng, tiny_models["qwen3"], prefix_caching=seed % 2 == 0)
+    for _, first in requests:
+        p = first.sampling_params
+        p.temperature, p.top_k, p.top_p = rng.choice([0.0, 0.7, 1e-50]), rng.choice([-1, 3]), rng.choice([1.0, 0.9])
+        p.min_p, p.min_tokens = rng.choice([0.0, 0.1]), rng.choice([0, 0, 2])
+        p.presence_penalty, p.repetition_penalty = rng.choice([0.0, 0.0, 0.5]), rng.choice([1.0, 1.0, 1.2])
+
+    def builder() -> InputBuilder:
+        return InputBuilder(block_size=config.block_size, vocab_size=VOCAB, eos_token_ids=[EOS],
+                            device=torch.device("cpu"))
+
+    kept, num_steps = builder(), 0
+    for t in range(10_000):
+        while requests and requests[0][0] <= t:
+            scheduler.add(requests.pop(0)[1])
+        if scheduler.is_finished():
+            if not requests:
+                break
+            continue
+        out = scheduler.schedule()
+        if out.seqs:
+            inputs = as_lists(kept.prepare_inputs(out))
+            assert inputs == as_lists(builder().prepare_inputs(out)), f"step {t}"
+            plain = plain_inputs(out, config.block_size)
+            assert {name: inputs[name] and inputs[name][1] for name in plain} == plain, f"step {t}"
+            num_steps += 1
+        scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
+                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
+    assert scheduler.is_finished() and num_steps > 0
+
+
+def test_a_tiny_temperature_still_counts_as_used():
+    # 1e-50 is 0 in float32: the "no row uses it" test must see the value as given, as a list of floats would.
+    builder = InputBuilder(block_size=BS, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
+    inputs = builder.prepare_inputs(plan((make(0, [5, 6], [1], temperature=0), 2), (make(1, [7], [2]), 1)))
+    assert inputs.sampling.temperatures.tolist() == [0.0, 1.0]
+    seq = make(2, [5, 6], [3], temperature=1e-50)
+    assert builder.prepare_inputs(plan((seq, 2))).sampling.temperatures.tolist() == [0.0]

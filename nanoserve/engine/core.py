@@ -62,14 +62,14 @@ class EngineCore:
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
         self.recorder = StepRecorder(keep=config.trace)  # step records: llm.trace, the dashboard (engine/trace.py)
-        # Async scheduling: the batch queue holds the (plan, future) of the steps in flight, at most two.
-        # On CPU a forward blocks its thread, so the forwards run in a thread of their own (not a draft model's:
-        # it reads the sequences, which planning changes). On CUDA the main thread launches them, and plans on.
+        # Async scheduling: the batch queue holds the (plan, future) of the steps in flight (num_batches_in_flight).
+        # On CPU (and with pipeline stages) the forwards run one after another in a thread of their own (not a
+        # draft model's: it reads the sequences planning changes). On CUDA the main thread launches them.
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
         self.forward_thread = None
         if config.async_scheduling:
             self.batch_queue = deque()
-            if config.device == "cpu" and config.draft_hf_config is None:
+            if (config.device == "cpu" or config.pipeline_parallel_size > 1) and config.draft_hf_config is None:
                 self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
 
     # ---- requests ---------------------------------------------------------------------------------
@@ -159,11 +159,11 @@ class EngineCore:
         runs (on the GPU, or in the executor thread on CPU), then wait for N and take in its output. Planning
         N+1 counts the token N is sampling as a placeholder; the model runner takes it from N's sampled ids
         when N+1 runs."""
-        if not self.scheduler.is_finished() and len(self.batch_queue) < 2:
+        if not self.scheduler.is_finished() and len(self.batch_queue) < self.config.num_batches_in_flight:
             out = self.scheduler.schedule()
             inputs = self.input_builder.prepare_inputs(out)
             self.batch_queue.append((out, self._submit(out, inputs)))
-            if len(self.batch_queue) < 2:
+            if len(self.batch_queue) < self.config.num_batches_in_flight:
                 return []  # go plan the next step while this one runs
         if not self.batch_queue:
             return []
@@ -177,7 +177,7 @@ class EngineCore:
     def _submit(self, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
         """Start a step's forward; its future gives the sampled ids (a CPU tensor)."""
         if self.forward_thread is not None:
-            return self.forward_thread.submit(self.executor.execute_model, out, inputs)
+            return self.executor.submit(self.forward_thread, out, inputs)
         try:
             return LaunchedStep(self.executor.execute_model(out, inputs))
         except Exception as error:  # failed at launch: the step fails when its turn comes, as on CPU

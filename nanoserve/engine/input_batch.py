@@ -4,21 +4,22 @@ With async scheduling this runs while the step before is on the GPU, so it reads
 step is still sampling is a placeholder here (input id 0, output id -1), filled in on the device later.
 Nothing here needs a model: tests/test_input_batch.py builds inputs from a hand-made plan.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 import numpy as np
 import torch
 
 from nanoserve.config import Config
+from nanoserve.engine.persistent_batch import InputBatch, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.accounting import draft_rows
 from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
-from nanoserve.utils.math import token_slots
 
+PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
 
 
@@ -55,6 +56,10 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
+    batch: InputBatch = field(init=False)  # the rows that persist between steps
+
+    def __post_init__(self) -> None:
+        self.batch = InputBatch(self.block_size, self.vocab_size)
 
     @classmethod
     def from_config(cls, config: Config) -> "InputBuilder":
@@ -66,39 +71,30 @@ class InputBuilder:
         the rows whose logits are needed: the last one of each sequence that samples."""
         if not out.seqs:  # everyone was preempted this step
             return None
-        input_ids, positions, slot_mapping, q_lens, context_lens, logits_rows, beam_rows = [], [], [], [], [], [], []
-        placeholder_rows, placeholder_seq_ids = [], []
-        bs = self.block_size
-        for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
-                                                            out.num_scheduled_tokens, out.do_sample, out.forks):
-            end = start + num_tokens
-            input_ids.extend(seq.token_ids[start:end] + seq.spec_token_ids)  # drafts: speculative decoding
-            if end > len(seq.token_ids) + len(seq.spec_token_ids):  # async scheduling: a placeholder (filled later)
-                placeholder_rows.append(len(input_ids))
-                placeholder_seq_ids.append(seq.seq_id)
-                input_ids.append(0)
-            positions.extend(range(start, end))
-            q_lens.append(num_tokens)
-            context_lens.append(end)
-            slot_mapping.extend(token_slots(seq.block_table, start, end, bs))
-            if do_sample:  # the rows of its newest token and its drafts; n > 1: the last row again for every fork
-                rows = logits_rows if seq.beam_search is None else beam_rows  # a beam's: scored raw, nothing drawn
-                rows += [*range(len(input_ids) - 1 - len(seq.spec_token_ids), len(input_ids))]
-                rows += [len(input_ids) - 1] * len(forks)
-        meta = self.attention_metadata([seq.block_table for seq in out.seqs], slot_mapping, q_lens, context_lens)
+        step = self.batch.flatten(out)  # from the rows kept between steps (engine/persistent_batch.py)
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
+            block_tables=self._tensor(step.block_tables, torch.int32),
+            context_lens=self._tensor(step.context_lens, torch.int32),
+            cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
+            cu_seqlens_k=self._tensor(step.cu_seqlens_k, torch.int32),
+            max_seqlen_q=step.max_seqlen_q,
+            max_seqlen_k=step.max_seqlen_k,
+        )
         samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                     if do_sample and seq.beam_search is None for s in [*draft_rows(seq), *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, seq in enumerate(samplers) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows + beam_rows))]
+        logits_rows = step.logits_rows.tolist() + step.beam_rows.tolist()  # a beam's: scored raw, nothing drawn
+        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows))]
         return ModelInput(
-            input_ids=self._tensor(input_ids, torch.int64), positions=self._tensor(positions, torch.int64),
-            meta=meta, logits_rows=self._tensor(logits_rows + beam_rows + prompt_rows, torch.int64),
-            sampling=self.prepare_sampling(samplers), sample_seq_ids=[seq.seq_id for seq in samplers],
-            placeholder_rows=placeholder_rows, placeholder_seq_ids=placeholder_seq_ids, logprobs=logprobs,
+            input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
+            meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
+            sampling=self.prepare_sampling(samplers, step), sample_seq_ids=[s.seq_id for s in samplers],
+            placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, logprobs=logprobs,
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
-            beam_rows=list(range(len(logits_rows), len(logits_rows + beam_rows))))
+            beam_rows=list(range(len(step.logits_rows), len(logits_rows))))
 
     def attention_metadata(self, block_tables: list[list[int]], slot_mapping: list[int], q_lens: list[int],
                            context_lens: list[int]) -> AttentionMetadata:
@@ -110,31 +106,28 @@ class InputBuilder:
             cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
             max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens))
 
-    def prepare_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
+    def prepare_sampling(self, seqs: list[Sequence], step: StepArrays) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
-        params = [seq.sampling_params for seq in seqs]
-
-        def column(values: list, unused, dtype: torch.dtype) -> torch.Tensor | None:
-            return None if all(v == unused for v in values) else self._tensor(values, dtype)
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor | None:
+            values = step.column(name)
+            return None if values is None else self._tensor(values, dtype)
 
         penalties = None
-        if any(p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1 for p in params):
+        if any(step.column(name) is not None for name in PENALTIES):
             penalties = PenaltyMetadata(
                 prompt_token_ids=self._padded([seq.prompt_token_ids for seq in seqs], self.vocab_size),
                 output_token_ids=self._padded([seq.completion_token_ids + [-1] * seq.num_outputs_in_flight
                                                for seq in seqs], self.vocab_size),
-                presence_penalties=self._tensor([p.presence_penalty for p in params], torch.float32),
-                frequency_penalties=self._tensor([p.frequency_penalty for p in params], torch.float32),
-                repetition_penalties=self._tensor([p.repetition_penalty for p in params], torch.float32))
-        vocab_size, bitmask = self.vocab_size, grammar_bitmask(seqs, self.vocab_size)
+                presence_penalties=self._tensor(step.values("presence_penalty"), torch.float32),
+                frequency_penalties=self._tensor(step.values("frequency_penalty"), torch.float32),
+                repetition_penalties=self._tensor(step.values("repetition_penalty"), torch.float32))
+        bitmask = grammar_bitmask(seqs, self.vocab_size)
         return SamplingMetadata(
-            temperatures=column([p.temperature for p in params], 0.0, torch.float32),
-            top_ks=column([vocab_size if p.top_k == -1 else p.top_k for p in params], vocab_size, torch.int64),
-            top_ps=column([p.top_p for p in params], 1.0, torch.float32),
-            min_ps=column([p.min_p for p in params], 0.0, torch.float32),
+            temperatures=column("temperature", torch.float32), top_ks=column("top_k", torch.int64),
+            top_ps=column("top_p", torch.float32), min_ps=column("min_p", torch.float32),
             generators=[seq.generator for seq in seqs],
             penalties=penalties,
-            min_tokens_mask=self.min_tokens_mask(seqs),
+            min_tokens_mask=None if step.column("min_tokens") is None else self.min_tokens_mask(seqs),
             grammar_bitmask=None if bitmask is None else self._tensor(bitmask, torch.int32),
         )
 
@@ -167,7 +160,7 @@ class InputBuilder:
 
     def _padded(self, rows: list[list[int]], pad: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
         """Rows of unequal length as one tensor, padded with `pad` (numpy fills rows far faster than
-        torch.tensor converts a list of lists: it matters for 256 block tables a step)."""
+        torch.tensor converts a list of lists)."""
         table = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
         for i, row in enumerate(rows):
             table[i, : len(row)] = row

@@ -8,6 +8,7 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
+from nanoserve.layers.compile_elementwise import compile_elementwise
 from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import load_model
 from nanoserve.outputs import Logprob
@@ -29,6 +30,8 @@ class ModelRunner:
             keep_freed_memory()  # reuse activation memory across steps instead of page-faulting it in
         torch.manual_seed(config.seed)
         self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device)
+        if config.compile_elementwise:
+            compile_elementwise(self.model)
         # Speculative decoding's draft model (spec_decode/draft_model_proposer.py): its layers are more layers
         # of the same KV cache, so its KV shares the target's blocks and block tables.
         self.draft_model = None if config.draft_hf_config is None else load_model(
@@ -41,7 +44,7 @@ class ModelRunner:
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])  # the swap pool, if any: below
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
-        if config.tensor_parallel_size > 1:  # every rank must hold the blocks rank 0's scheduler hands out
+        if dist.is_initialized():  # every rank must hold the blocks rank 0's scheduler hands out
             num_blocks = torch.tensor(self.num_kvcache_blocks, device=self.device)
             dist.all_reduce(num_blocks, dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(num_blocks)
@@ -154,7 +157,7 @@ class ModelRunner:
             hidden = self.cuda_graphs.replay(input_ids, positions, meta)
         else:
             hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden[logits_rows])
+        return self.model.compute_logits(hidden, logits_rows)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
@@ -191,6 +194,6 @@ class ModelRunner:
     def parameter_shapes(self) -> list[dict[str, tuple[int, ...]]] | None:
         """Every rank's parameter shapes, gathered on rank 0 (a debug call: `executor.call("parameter_shapes")`)."""
         shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        gathered = [{} for _ in range(self.config.tensor_parallel_size)] if self.rank == 0 else None
+        gathered = [{} for _ in range(dist.get_world_size())] if self.rank == 0 else None
         dist.gather_object(shapes, gathered, dst=0)
         return gathered

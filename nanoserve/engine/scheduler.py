@@ -6,8 +6,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.scheduler_policies import SchedulerPolicies, num_seats
 from nanoserve.engine.sequence import Sequence, SequenceStatus
-from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens, waits_for_drafts
-from nanoserve.engine.structured_output_manager import waits_for_grammar
+from nanoserve.engine.spec_decode.accounting import SpecDecodingStats, accept_tokens
 
 
 @dataclass
@@ -35,8 +34,8 @@ class Scheduler(SchedulerPolicies):
     scheduling_policy="priority" and preemption_mode="swap" (engine/scheduler_policies.py)."""
 
     def __init__(self, config: Config, block_manager: BlockManager, host_block_manager: BlockManager | None = None):
-        self.max_num_seqs = config.max_num_seqs
-        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.pipeline_depth = config.pipeline_parallel_size if config.async_scheduling else 1  # batches in flight
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.scheduling_policy = config.scheduling_policy
         self.eos_token_ids = set(config.eos_token_ids)
@@ -66,7 +65,7 @@ class Scheduler(SchedulerPolicies):
         # Prefill: admit waiting prompts in order, whole, while seats, blocks and the token budget last.
         # (Swapped-out requests come back before any new prompt is admitted, as in vLLM V0.)
         num_batched_tokens = 0
-        while self.waiting and not self.swapped and num_seats(self.waiting[0]) <= self._num_free_seats():
+        while self.waiting and not self.swapped and num_seats(self.waiting[0]) <= self._num_free_seats(out):
             seq = self.waiting[0]
             num_new_tokens = self.block_manager.num_new_tokens(seq)  # a cached prefix costs no budget
             if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens or seq in out.preempted:
@@ -102,10 +101,6 @@ class Scheduler(SchedulerPolicies):
         self.stats.num_prompt_tokens += len(seq)
         self.stats.num_cached_tokens += seq.num_cached_tokens
 
-    def _num_free_seats(self) -> int:
-        """max_num_seqs less the running sequences and those that will fork from them."""
-        return self.max_num_seqs - sum(map(num_seats, self.running))
-
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
@@ -122,7 +117,7 @@ class Scheduler(SchedulerPolicies):
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self._pop_group(self.running)
-            if waits_for_grammar(group) or waits_for_drafts(group, self.speculative_config):  # (async scheduling)
+            if self._sits_out(group):  # async scheduling: its token is still in flight (grammar, pipeline stages)
                 scheduled += group
                 continue
             while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:
@@ -173,7 +168,7 @@ class Scheduler(SchedulerPolicies):
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and num_seats(self.waiting[0]) <= self._num_free_seats():
+        while self.waiting and budget > 0 and num_seats(self.waiting[0]) <= self._num_free_seats(out):
             seq = self.waiting[0]
             # All of the prompt's blocks, though only a chunk may run now (V1 allocates per chunk):
             # simpler, and a prompt once started never stalls for memory halfway.

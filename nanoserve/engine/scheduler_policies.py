@@ -1,12 +1,16 @@
 """The scheduler's parts beyond nano-vllm's default (engine/scheduler.py calls them where the policies differ):
-scheduling_policy="priority" and preemption_mode="swap" (vLLM V0), and the n sequences of one request
-(SamplingParams.n > 1: vLLM V0's sequence group, which runs, is preempted and swapped as one)."""
+scheduling_policy="priority" and preemption_mode="swap" (vLLM V0), the n sequences of one request
+(SamplingParams.n > 1: vLLM V0's sequence group, which runs, is preempted and swapped as one), and which groups
+sit a step out while their token is in flight (async scheduling, pipeline stages)."""
 import bisect
 from collections import deque
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.spec_decode.accounting import waits_for_drafts
+from nanoserve.engine.structured_output_manager import waits_for_grammar
+from nanoserve.utils.math import cdiv
 
 
 def num_seats(seq: Sequence) -> int:
@@ -24,11 +28,35 @@ class SchedulerPolicies:
     """Scheduler inherits these; they use its queues (waiting, running, swapped), block managers and stats."""
 
     scheduling_policy: str
+    max_num_seqs: int
+    speculative_config: object
+    pipeline_depth: int  # P with pipeline stages and async_scheduling (P batches in flight), else 1
     block_manager: BlockManager
     host_block_manager: BlockManager | None
     waiting: deque[Sequence]
     running: deque[Sequence]
     swapped: deque[Sequence]
+
+    def _sits_out(self, group: list[Sequence]) -> bool:
+        """A running group whose next token a step in flight is still sampling waits for it (async scheduling): if
+        its grammar needs that token for its next mask, if it speculates (its drafts start from that token:
+        spec_decode/accounting.py), and always with pipeline stages in flight, where a batch holding it could not
+        enter the first stage before the batch in flight left the last (vLLM V1's scheduled_req_ids): planned
+        without it, the next batch keeps the stages busy with other requests (docs/parallelism.md)."""
+        in_flight = any(s.num_output_placeholders for s in group)
+        return waits_for_grammar(group) or waits_for_drafts(group, self.speculative_config) or \
+            (self.pipeline_depth > 1 and in_flight)
+
+    def _num_free_seats(self, out: SchedulerOutput | None = None) -> int:
+        """max_num_seqs less the running sequences and those that will fork from them. With P pipeline stages in
+        flight a step admits at most 1/P of the requests (`out`: this step's so far): a burst admitted whole would fill
+        one batch and leave no request for the batches in flight beside it (V0's virtual engines share
+        arrivals out among themselves for the same reason)."""
+        free = self.max_num_seqs - sum(map(num_seats, self.running))
+        if out is not None and self.pipeline_depth > 1:
+            share = cdiv(sum(map(num_seats, [*self.running, *self.waiting])), self.pipeline_depth)
+            free = min(free, share - sum(map(num_seats, out.seqs)))
+        return free
 
     # ---- priority (scheduling_policy="priority") --------------------------------------------------------
     def _enqueue(self, queue: deque[Sequence], seq: Sequence, front: bool = False) -> None:

@@ -4,7 +4,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.layers.linear import linear, tp_rank_size
+from nanoserve.layers.linear import linear
+from nanoserve.utils.distributed import tp_group, tp_rank_size
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -30,7 +31,7 @@ class VocabParallelEmbedding(nn.Embedding):
         ids = input_ids - self.vocab_start
         owned = (ids >= 0) & (ids < self.num_embeddings)
         x = F.embedding(ids * owned, self.weight) * owned.unsqueeze(1)
-        dist.all_reduce(x)
+        dist.all_reduce(x, group=tp_group())
         return x
 
 
@@ -45,5 +46,5 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp_size == 1:
             return logits
         parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
-        dist.gather(logits, parts, dst=0)
+        dist.gather(logits, parts, group=tp_group(), group_dst=0)
         return torch.cat(parts, dim=-1)[..., : self.vocab_size] if parts else None

@@ -15,6 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from nanoserve.utils.distributed import tp_group, tp_rank_size
+
 logger = logging.getLogger(__name__)
 
 
@@ -55,17 +57,13 @@ def reorder_for_cpu(weight: torch.Tensor) -> torch.Tensor:
 def reorder_weights_for_cpu(model: nn.Module) -> None:
     """Every matmul weight of the model, reordered; the LM head gets a copy of its own, so that a tied
     embedding keeps the plain rows it looks up."""
-    dtype = model.lm_head.weight.dtype
+    dtype = next(model.parameters()).dtype
     if dtype == torch.bfloat16 and not reorders_for_onednn(dtype):
         logger.warning("bfloat16 on this CPU (PyTorch's capability: %s) multiplies plain weights, about 3x "
                        "slower than float32: dtype='float32' is faster here", torch.backends.cpu.get_cpu_capability())
-    for module in [*(m for m in model.modules() if isinstance(m, nn.Linear)), model.lm_head]:
+    heads = [model.lm_head] if hasattr(model.lm_head, "weight") else []  # (only the last pipeline stage has it)
+    for module in [*(m for m in model.modules() if isinstance(m, nn.Linear)), *heads]:
         module.weight = nn.Parameter(reorder_for_cpu(module.weight), requires_grad=False)
-
-
-def tp_rank_size() -> tuple[int, int]:
-    """This process's rank and the number of ranks: torch.distributed's, once the engine has started them."""
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
 class MergedColumnParallelLinear(nn.Linear):
@@ -107,5 +105,5 @@ class RowParallelLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.tp_size > 1:
-            dist.all_reduce(y)
+            dist.all_reduce(y, group=tp_group())
         return y

@@ -14,6 +14,7 @@ from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, tp_rank_size
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.models.pipeline import Stage
 
 
 @dataclass(frozen=True)
@@ -103,19 +104,18 @@ class DecoderLayer(nn.Module):
 class Model(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: Variant):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.stage = stage = Stage.of(config.num_hidden_layers, config.hidden_size)  # pipeline: this rank's part
+        self.embed_tokens = stage.first(lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
-        self.layers = nn.ModuleList(
-            [DecoderLayer(config, variant, rotary_emb) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = stage.layers(config.num_hidden_layers, lambda: DecoderLayer(config, variant, rotary_emb))
+        self.norm = stage.last(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.embed_tokens(input_ids), None
-        for layer in self.layers:
+        x, residual = self.stage.receive_or_embed(self.embed_tokens, input_ids)  # from the previous stage, if any
+        for layer in self.layers[self.stage.start : self.stage.end]:
             x, residual = layer(positions, x, residual, meta)
-        x, _ = self.norm(x, residual)
-        return x
+        return self.stage.send_or_norm(self.norm, x, residual)  # None on a stage short of the last
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -130,12 +130,12 @@ class Qwen3ForCausalLM(nn.Module):
         if getattr(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
         self.model = Model(config, variant)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-        if config.tie_word_embeddings:  # small models share the input and output embedding
-            self.lm_head.weight = self.model.embed_tokens.weight
+        self.lm_head = self.model.stage.last(lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
+        if config.tie_word_embeddings and self.model.stage.size == 1:  # small models share the input and output
+            self.lm_head.weight = self.model.embed_tokens.weight  # embedding (with stages: utils/loader.py)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:  # None: a tensor-parallel worker
-        return self.lm_head(hidden_states)
+    def compute_logits(self, hidden: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:  # None: a worker
+        return self.model.stage.logits(self.lm_head, hidden, rows)

@@ -19,17 +19,23 @@ def load_weights(model: nn.Module, path: str) -> None:
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
-    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    # A pipeline stage holds only its own parts (models/pipeline.py): the others' tensors are skipped. A tied
+    # LM head is embed_tokens (one parameter, listed once), or, on a last stage without the embedding, its copy.
+    params = dict(model.named_parameters())
+    names = {name for file in files for name in safe_open(file, "pt", "cpu").keys()}
+    tied_head = ["lm_head.weight"] if "lm_head.weight" not in names else []
     for file in files:
         with safe_open(file, "pt", "cpu") as f:
             for name in f.keys():
-                if tied and name.startswith("lm_head."):
-                    continue  # the same tensor as embed_tokens
-                param_name, shard = name, ()
-                for part, (fused, index) in packed.items():
-                    if f".{part}." in name:
-                        param_name, shard = name.replace(f".{part}.", f".{fused}."), (index,)
-                        break
-                module = model.get_submodule(param_name.rsplit(".", 1)[0])
-                weight_loader = getattr(module, "weight_loader", default_weight_loader)
-                weight_loader(model.get_parameter(param_name), f.get_slice(name), *shard)
+                targets = [name, *tied_head] if name == "model.embed_tokens.weight" else [name]
+                for target in targets:
+                    param_name, shard = target, ()
+                    for part, (fused, index) in packed.items():
+                        if f".{part}." in target:
+                            param_name, shard = target.replace(f".{part}.", f".{fused}."), (index,)
+                            break
+                    if param_name not in params:
+                        continue
+                    module = model.get_submodule(param_name.rsplit(".", 1)[0])
+                    weight_loader = getattr(module, "weight_loader", default_weight_loader)
+                    weight_loader(params[param_name], f.get_slice(name), *shard)

@@ -71,4 +71,4 @@ class DraftModelProposer:
                                                      [len(t) for _, _, t in chunks], [s + len(t) for _, s, t in chunks])
         device = self.input_builder.device
         hidden = self.model(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), meta)
-        return self.model.compute_logits(hidden[rows]).argmax(dim=-1).tolist() if rows else []
+        return self.model.compute_logits(hidden, rows).argmax(dim=-1).tolist() if rows else []
