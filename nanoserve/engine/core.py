@@ -63,8 +63,7 @@ class EngineCore:
         self.seq_ids = count()
         self.recorder = StepRecorder(keep=config.trace)  # step records: llm.trace, the dashboard (engine/trace.py)
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight (num_batches_in_flight).
-        # On CPU (and with pipeline stages) the forwards run one after another in a thread of their own (not a
-        # draft model's: it reads the sequences planning changes). On CUDA the main thread launches them.
+        # On CPU or with stages a thread runs the forwards (not a draft model's: it reads what planning changes).
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
         self.forward_thread = None
         if config.async_scheduling:
