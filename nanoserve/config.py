@@ -181,14 +181,10 @@ class Config:
             self.enforce_eager = True
 
     def _validate_speculative_config(self) -> None:
-        """Its own keys (speculative_config.py), then what the engine does not combine it with (yet)."""
+        """Its own keys (speculative_config.py), then the draft model's fit with the target."""
         spec = self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if spec.method == "draft_model":
             self._read_draft_model(spec.model)
-        if self.async_scheduling and spec.method == "draft_model":
-            raise ValueError("speculative_config.method='draft_model' with async_scheduling=True is not supported: "
-                             "the draft runs over each planned step on the host's view of the tokens, and those of "
-                             "the step in flight are not known yet; use 'ngram', or turn async_scheduling off")
 
     def _read_draft_model(self, path: str) -> None:
         """The draft model proposes token ids of the target's vocabulary, and its layers become more layers of

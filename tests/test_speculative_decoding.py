@@ -100,19 +100,20 @@ def expected_combos(tiny_models):
 
 
 @pytest.mark.parametrize("proposer", PROPOSERS)
-@pytest.mark.parametrize("prefix_caching", [True, False])
+@pytest.mark.parametrize("prefix_caching, async_scheduling", [(True, False), (False, False), (True, True)])
 @pytest.mark.parametrize("chunked, policy, mode", COMBOS)
 def test_every_scheduler_combination_equals_transformers(tiny_models, other_draft, expected_combos, chunked, policy,
-                                                         mode, prefix_caching, proposer):
+                                                         mode, prefix_caching, async_scheduling, proposer):
     """A pool too small for all six (preemption, swapping), a token budget that trims drafts (chunked). (Qwen3:
     the tiny model whose output repeats itself most, so drafts get accepted.) A draft model's KV lives in the
-    same blocks, so they are twice the bytes: twice the swap space for as many host blocks."""
+    same blocks, so they are twice the bytes: twice the swap space for as many host blocks. Async scheduling:
+    preempted (recomputed or swapped) while a step verifies its drafts, the rollback finds its KV where it is."""
     arch = "qwen3"
     block_bytes = BLOCK_BYTES * (1 if proposer == "ngram" else 2)
     llm = LLM(tiny_models[arch], block_size=BLOCK_SIZE, num_kvcache_blocks=18, max_model_len=64,
               max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked,
               scheduling_policy=policy, preemption_mode=mode, swap_space=24 * block_bytes / 2**30,
-              enable_prefix_caching=prefix_caching,
+              enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling,
               speculative_config=spec_config(proposer, 3, tiny_models[arch], other_draft))
     assert run(llm.engine, spec_requests(policy == "priority")) == expected_combos[arch]
     stats = llm.stats
@@ -186,7 +187,6 @@ def test_bad_speculative_config(tiny_models, options, message):
     ({"num_key_value_heads": 1}, {}, r"draft's num_key_value_heads \(1\) differs"),
     ({"head_dim": 8}, {}, r"draft's head_dim \(8\) differs"),
     ({}, {"tensor_parallel_size": 2}, "needs tensor_parallel_size=1"),
-    ({}, {"async_scheduling": True}, "async_scheduling"),
 ])
 def test_bad_draft_model(tiny_models, tmp_path, overrides, options, message):
     """A draft that cannot propose the target's tokens or share its KV blocks is refused before any work."""
@@ -195,31 +195,19 @@ def test_bad_draft_model(tiny_models, tmp_path, overrides, options, message):
         LLM(tiny_models["qwen3"], speculative_config={"model": draft, "num_speculative_tokens": 3}, **options)
 
 
+@pytest.mark.parametrize("proposer", PROPOSERS)
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_async_scheduling_equals_transformers(tiny_models, expected, k):
-    """Async scheduling plans a step while the one before runs: a request whose drafts that step verifies sits
-    the planned step out; the others go on with a placeholder, among them rows of a verify step."""
+def test_async_scheduling_equals_transformers(tiny_models, other_draft, expected, proposer, k):
+    """Async scheduling plans a step while the one before runs: a request whose newest token that step samples
+    sits the planned step out, and runs (drafts and all) in the step after."""
     prompts, reference = expected
-    llm = LLM(tiny_models["qwen3"], block_size=4, async_scheduling=True, speculative_config=ngram(k))
+    llm = LLM(tiny_models["qwen3"], block_size=4, async_scheduling=True,
+              speculative_config=spec_config(proposer, k, tiny_models["qwen3"], other_draft))
     assert completions(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                                     use_tqdm=False)) == reference["qwen3"]
-    check_acceptance("ngram", llm.stats.spec_decoding, k)
+    check_acceptance(proposer, llm.stats.spec_decoding, k)
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
-
-
-@pytest.mark.parametrize("chunked, policy, mode", COMBOS)
-def test_async_scheduling_under_every_scheduler_combination(tiny_models, expected_combos, chunked, policy, mode):
-    """Preempted (recomputed or swapped) while a step verifies its drafts: the rollback finds its KV where it is."""
-    llm = LLM(tiny_models["qwen3"], block_size=BLOCK_SIZE, num_kvcache_blocks=18, max_model_len=64,
-              max_num_batched_tokens=16 if chunked else 64, enable_chunked_prefill=chunked, async_scheduling=True,
-              scheduling_policy=policy, preemption_mode=mode, swap_space=24 * BLOCK_BYTES / 2**30,
-              speculative_config=ngram(3))
-    assert run(llm.engine, spec_requests(policy == "priority")) == expected_combos["qwen3"]
-    assert llm.stats.num_preemptions > 0 and llm.stats.spec_decoding.num_accepted_tokens > 0
-    scheduler = llm.engine.scheduler
-    for pool in (scheduler.block_manager, scheduler.host_block_manager):
-        assert pool is None or pool.num_free_blocks == pool.num_blocks
 
 
 # ---- the books, with fake model outputs ------------------------------------------------------------------

@@ -23,17 +23,19 @@ from nanoserve.utils.math import cdiv
 
 
 class LaunchedStep(Future):
-    """A step launched on the GPU. Its sampled ids are copied to the host right behind its kernels: a copy
-    asked for later would queue behind the next step's. result() waits for that copy only."""
+    """A step launched on the GPU (or run already, on CPU). Its sampled ids are copied to the host right behind
+    its kernels: a copy asked for later would queue behind the next step's. result() waits for that copy only."""
 
     def __init__(self, sampled: torch.Tensor):
         super().__init__()
         self.ids = sampled.to("cpu", non_blocking=True)
-        self.copied = torch.cuda.Event()
-        self.copied.record()
+        self.copied = torch.cuda.Event() if sampled.is_cuda else None
+        if self.copied is not None:
+            self.copied.record()
 
     def result(self, timeout: float | None = None) -> torch.Tensor:
-        self.copied.synchronize()
+        if self.copied is not None:
+            self.copied.synchronize()
         return self.ids
 
 
@@ -50,9 +52,8 @@ class EngineCore:
         self.input_builder = InputBuilder.from_config(config)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
-        swap_pool = None
-        if config.preemption_mode == "swap":  # a second allocator, over the model runner's host-memory pool
-            swap_pool = BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
+        swap_pool = (BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
+                     if config.preemption_mode == "swap" else None)  # a second allocator, over the host pool
         self.scheduler = Scheduler(config, self.block_manager, swap_pool)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
         self.beam_scheduler = BeamScheduler(config, self.scheduler, self.tokenizer)  # LLM.beam_search's requests
@@ -62,13 +63,12 @@ class EngineCore:
         self.seq_ids = count()
         self.recorder = StepRecorder(keep=config.trace)  # step records: llm.trace, the dashboard (engine/trace.py)
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight (num_batches_in_flight).
-        # On CPU (and with pipeline stages) the forwards run one after another in a thread of their own.
-        # On CUDA the main thread launches them: launches return at once, and the GPU runs while we plan.
+        # On CPU or with stages a thread runs the forwards (not a draft model's: it reads what planning changes).
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
         self.forward_thread = None
         if config.async_scheduling:
             self.batch_queue = deque()
-            if config.device == "cpu" or config.pipeline_parallel_size > 1:
+            if (config.device == "cpu" or config.pipeline_parallel_size > 1) and config.draft_hf_config is None:
                 self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
 
     # ---- requests ---------------------------------------------------------------------------------

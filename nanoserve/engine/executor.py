@@ -168,7 +168,9 @@ class Executor:
         the logits if rank 0 computed them (one stage)."""
         if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:  # (TP: no message otherwise)
             self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
-        if self.drafter is not None:  # it computes its drafts in the slots just copied or reserved
+        # The draft computes its drafts in the slots just copied or reserved. (Async scheduling: no step of a
+        # speculating engine has placeholders, so it sees every token: accounting.py's waits_for_drafts.)
+        if self.drafter is not None:
             inputs = self.drafter.propose(out, inputs)
         self.model_runner.fill_placeholders(inputs)
         if inputs is None:
