@@ -5,7 +5,6 @@ step is still sampling is a placeholder here (input id 0, output id -1), filled 
 Nothing here needs a model: tests/test_input_batch.py builds inputs from a hand-made plan.
 """
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import numpy as np
 import torch
@@ -72,15 +71,7 @@ class InputBuilder:
         if not out.seqs:  # everyone was preempted this step
             return None
         step = self.batch.flatten(out)  # from the rows kept between steps (engine/persistent_batch.py)
-        meta = AttentionMetadata(
-            slot_mapping=self._tensor(step.slot_mapping, torch.int64),
-            block_tables=self._tensor(step.block_tables, torch.int32),
-            context_lens=self._tensor(step.context_lens, torch.int32),
-            cu_seqlens_q=self._tensor(step.cu_seqlens_q, torch.int32),
-            cu_seqlens_k=self._tensor(step.cu_seqlens_k, torch.int32),
-            max_seqlen_q=step.max_seqlen_q,
-            max_seqlen_k=step.max_seqlen_k,
-        )
+        meta = self.attention_metadata(step.block_tables, step.slot_mapping, step.q_lens, step.context_lens)
         samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                     if do_sample and seq.beam_search is None for s in [*draft_rows(seq), *forks]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
@@ -96,15 +87,17 @@ class InputBuilder:
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
             beam_rows=list(range(len(step.logits_rows), len(logits_rows))))
 
-    def attention_metadata(self, block_tables: list[list[int]], slot_mapping: list[int], q_lens: list[int],
-                           context_lens: list[int]) -> AttentionMetadata:
+    def attention_metadata(self, block_tables: np.ndarray | list[list[int]], slot_mapping: np.ndarray | list[int],
+                           q_lens: np.ndarray | list[int], context_lens: np.ndarray | list[int]) -> AttentionMetadata:
         """Where a batch's new tokens go in the paged cache, and what each sequence attends to."""
+        q_lens, context_lens = np.asarray(q_lens), np.asarray(context_lens)
         return AttentionMetadata(
             slot_mapping=self._tensor(slot_mapping, torch.int64), context_lens=self._tensor(context_lens, torch.int32),
-            block_tables=self._padded(block_tables, -1, torch.int32),
-            cu_seqlens_q=self._tensor(list(accumulate(q_lens, initial=0)), torch.int32),
-            cu_seqlens_k=self._tensor(list(accumulate(context_lens, initial=0)), torch.int32),
-            max_seqlen_q=max(q_lens), max_seqlen_k=max(context_lens))
+            block_tables=self._tensor(block_tables, torch.int32) if isinstance(block_tables, np.ndarray)
+            else self._padded(block_tables, -1, torch.int32),
+            cu_seqlens_q=self._tensor(np.append(0, np.cumsum(q_lens)), torch.int32),
+            cu_seqlens_k=self._tensor(np.append(0, np.cumsum(context_lens)), torch.int32),
+            max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()))
 
     def prepare_sampling(self, seqs: list[Sequence], step: StepArrays) -> SamplingMetadata:
         """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""

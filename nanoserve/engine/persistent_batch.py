@@ -27,11 +27,8 @@ class StepArrays:
     positions: np.ndarray
     slot_mapping: np.ndarray
     block_tables: np.ndarray  # [num_seqs, most blocks of any]: padded with -1
+    q_lens: np.ndarray  # the tokens each sequence computes
     context_lens: np.ndarray
-    cu_seqlens_q: np.ndarray  # prefix sums of the tokens each sequence computes, from 0
-    cu_seqlens_k: np.ndarray  # prefix sums of context_lens, from 0
-    max_seqlen_q: int
-    max_seqlen_k: int
     logits_rows: np.ndarray  # per sampling row: its newest token's row (drafts: each draft's; forks: repeated)
     beam_rows: np.ndarray  # the same for beam searches' sequences, whose logits are scored raw, nothing drawn
     params: np.ndarray  # per sampling row, its sampling parameters (a column per key of PARAMS)
@@ -103,9 +100,8 @@ class InputBatch:
         context_lens, params = starts + q_lens, self.params[rows[sampler[~beams]]]
         return StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-            block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], context_lens=context_lens,
-            cu_seqlens_q=np.append(0, np.cumsum(q_lens)), cu_seqlens_k=np.append(0, np.cumsum(context_lens)),
-            max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()),
+            block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
+            context_lens=context_lens,
             logits_rows=logits_rows[~beams], beam_rows=logits_rows[beams],
             params=params, used=(params != self.unused).any(axis=0),
             placeholder_rows=placeholders.tolist(),
