@@ -126,6 +126,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action="store_true", help="nanoserve: plan each step during the last")
     p.add_argument("--compile-elementwise", action="store_true",
                    help="nanoserve (CPU): torch.compile RMSNorm, SwiGLU and RoPE")
+    p.add_argument("--attention-backend", default="auto",
+                   help="comma-separated: nanoserve runs with the first (auto, cpu, torch, triton, flash_attn), then "
+                        "once more with each other one, in its first dtype (default: auto, the engine's choice)")
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
@@ -140,6 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.input_len = args.input_len or input_len
     args.output_len = args.output_len or output_len
     args.dtypes = args.dtype.split(",")
+    args.attention_backends = args.attention_backend.split(",")
     args.peers = [] if args.no_transformers or args.peer == "none" else args.peer.split(",")
     for name in args.peers:
         if name not in PEERS:
@@ -257,6 +261,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
 
 
 def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
+    options.setdefault("attention_backend", args.attention_backends[0])
     if args.block_size:
         options["block_size"] = args.block_size
     if args.max_num_seqs:
@@ -272,7 +277,7 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
                   async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
-                  compile_elementwise=config.compile_elementwise)
+                  compile_elementwise=config.compile_elementwise, attention_backend=config.attention_backend)
     if config.speculative_config is not None:
         spec = llm.stats.spec_decoding
         result.update(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
@@ -614,6 +619,12 @@ def main(argv=None) -> dict:
             peers = {name: PEERS[name](path, args, prompts, output_lens) for name in run if name != "llama.cpp"}
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
+            first = results[nanoserve_name(args.dtypes[0], args)]
+            for backend in args.attention_backends[1:]:  # the same engine with another attention, right after it
+                other = results[nanoserve_name(args.dtypes[0], args) + f" {backend} attention"] = bench_nanoserve(
+                    path, args, prompts, output_lens, args.dtypes[0], attention_backend=backend)
+                ratios[f"attention {first['attention_backend']} / {backend}"] = \
+                    first["tokens_per_s"] / other["tokens_per_s"]
             if args.speculative_config:  # the same engine with speculation, right after it
                 off = results[nanoserve_name(args.dtypes[0], args)]
                 on = results[nanoserve_name(args.dtypes[0], args) + " speculative"] = bench_nanoserve(

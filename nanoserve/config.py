@@ -8,24 +8,33 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from nanoserve.layers.cpu_attention import load_cpu_attention
 from nanoserve.speculative_config import SpeculativeConfig
 
 
-def pick_attention_backend(name: str, device: str) -> str:
-    """Resolve "auto" (flash-attn, else Triton on CUDA; PyTorch elsewhere), or check that `name` can run here."""
-    choices = ("auto", "flash_attn", "triton", "torch")
+def pick_attention_backend(name: str, device: str, dtype: str) -> str:
+    """Resolve "auto" (flash-attn, else Triton on CUDA; on CPU the C++ kernel in float32 where it builds, else
+    PyTorch), or check that `name` can run here."""
+    choices = ("auto", "flash_attn", "triton", "cpu", "torch")
     if name not in choices:
         raise ValueError(f"attention_backend must be one of {choices}, got {name!r}")
     installed = {b: importlib.util.find_spec(b) is not None for b in ("flash_attn", "triton")}
+    if name == "auto" and device == "cuda":
+        return next((b for b in ("flash_attn", "triton") if installed[b]), "torch")
     if name == "auto":
-        return next((b for b in ("flash_attn", "triton") if device == "cuda" and installed[b]), "torch")
-    if name != "torch" and not installed[name]:
+        return "cpu" if dtype == "float32" and not isinstance(load_cpu_attention(), str) else "torch"
+    if name in installed and not installed[name]:
         raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
     if name == "flash_attn" and device != "cuda":
         raise ValueError(f"attention_backend='flash_attn' needs CUDA, but device is {device!r}")
     if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
                          "tests): export TRITON_INTERPRET=1 before starting Python")
+    if name == "cpu" and (device != "cpu" or dtype != "float32"):
+        raise ValueError(f"attention_backend='cpu' is a float32 kernel for the CPU, got device {device!r} and "
+                         f"dtype {dtype!r}")
+    if name == "cpu" and isinstance(why := load_cpu_attention(), str):
+        raise ValueError(f"attention_backend='cpu': the kernel could not be built here ({why})")
     return name
 
 
@@ -68,7 +77,7 @@ class Config:
     max_num_batched_tokens: int = 16384
     max_model_len: int = 4096
     block_size: int | None = None  # tokens per KV block; None: 256 with flash-attn (its minimum), else 16
-    attention_backend: str = "auto"  # "flash_attn", "triton" or "torch"; "auto": the first that runs here
+    attention_backend: str = "auto"  # "flash_attn", "triton", "cpu" or "torch"; "auto": the first that runs here
     num_kvcache_blocks: int | None = None  # force the KV pool size; None sizes it from memory
     gpu_memory_utilization: float = 0.9  # CUDA: share of GPU memory the engine may fill
     cpu_kvcache_space: float = 2.0  # CPU: GiB of RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE)
@@ -111,14 +120,14 @@ class Config:
         """Turn each "auto" (or None) into what runs on this machine."""
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.attention_backend = pick_attention_backend(self.attention_backend, self.device)
+        if self.dtype == "auto":
+            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype)
         # The PyTorch attention copies each sequence's KV out block by block, padding to whole blocks,
         # so small blocks waste less (16 is vLLM's default); flash-attn's paged kernels need 256. The Triton
         # kernels find a token's block with shifts and masks: any power of two from 16 up.
         if self.block_size is None:
             self.block_size = 256 if self.attention_backend == "flash_attn" else 16
-        if self.dtype == "auto":
-            self.dtype = "bfloat16" if self.device == "cuda" else "float32"
 
     def _validate(self) -> None:
         """The limits table, the choices, then what depends on several options or on the model."""

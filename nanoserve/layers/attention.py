@@ -123,10 +123,13 @@ def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
 
 
 def attention_backend(name: str) -> tuple[Callable, Callable]:
-    """The (store K/V, attend) pair of a backend, as Config resolved it; triton is imported only when chosen."""
+    """The (store K/V, attend) pair of a backend, as Config resolved it; each is imported only when chosen."""
     if name == "triton":
         from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache
         return triton_store_kvcache, triton_paged_attention
+    if name == "cpu":  # a C++ kernel that reads the cache in place (its own layout within a block)
+        from nanoserve.layers.cpu_attention import cpu_paged_attention, cpu_store_kvcache
+        return cpu_store_kvcache, cpu_paged_attention
     return store_kvcache, flash_paged_attention if name == "flash_attn" else torch_paged_attention
 
 

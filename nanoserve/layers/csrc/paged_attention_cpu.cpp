@@ -1,0 +1,142 @@
+// Paged attention for the CPU that reads each sequence's K/V where it sits in the paged cache, instead of
+// copying its blocks out for every layer as torch_paged_attention does. The same contract otherwise; built on
+// first use by nanoserve/layers/cpu_attention.py, vectorized with PyTorch's own at::vec (AVX2, AVX-512, NEON).
+//
+// The cache layout inside a block is this kernel's own, per KV head:
+//   k_cache [num_blocks, num_kv_heads, head_dim, block_size]: keys transposed, so one vector holds one dimension
+//           of several keys, and q . k for all of them is head_dim multiply-adds (no sum across a vector);
+//   v_cache [num_blocks, num_kv_heads, block_size, head_dim]: a value is a row, added to the output with weight p.
+// Blocks keep their size and ids, so swapping, copy-on-write and the prefix cache move them as before.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
+
+using Vec = at::vec::Vectorized<float>;
+
+// The first `count` floats at p as a vector (the rest zero): the last vector of a block or a head may be short.
+static Vec load(const float* p, int64_t count) { return count == Vec::size() ? Vec::loadu(p) : Vec::loadu(p, count); }
+
+// acc + the sum over i < n of weight(i) * vector(i), in four independent chains of multiply-adds: a single chain
+// would wait for each one to finish before starting the next.
+template <typename W, typename V>
+static Vec multiply_add(int64_t n, Vec acc, W weight, V vector) {
+  Vec a1(0.f), a2(0.f), a3(0.f);
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    acc = at::vec::fmadd(weight(i), vector(i), acc);
+    a1 = at::vec::fmadd(weight(i + 1), vector(i + 1), a1);
+    a2 = at::vec::fmadd(weight(i + 2), vector(i + 2), a2);
+    a3 = at::vec::fmadd(weight(i + 3), vector(i + 3), a3);
+  }
+  for (; i < n; i++) acc = at::vec::fmadd(weight(i), vector(i), acc);
+  return (acc + a1) + (a2 + a3);
+}
+
+// k, v: this step's [num_tokens, num_kv_heads, head_dim], written to their slots (block * block_size + offset).
+void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
+                   torch::Tensor slot_mapping) {
+  k = k.contiguous(), v = v.contiguous(), slot_mapping = slot_mapping.contiguous();
+  const int64_t num_kv_heads = k.size(1), head_dim = k.size(2), block_size = k_cache.size(1);
+  const float *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); t++) {
+    const int64_t block = slots[t] / block_size, offset = slots[t] % block_size;
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+      const int64_t head = (block * num_kv_heads + h) * head_dim * block_size, src = (t * num_kv_heads + h) * head_dim;
+      for (int64_t d = 0; d < head_dim; d++) kc[head + d * block_size + offset] = kp[src + d];
+      std::copy(vp + src, vp + src + head_dim, vc + head + offset * head_dim);
+    }
+  }
+}
+
+// q: [num_tokens, num_heads, head_dim], the batch's new tokens, sequence after sequence; block_tables:
+// [num_seqs, max_blocks] (int32); context_lens: [num_seqs] (int32); cu_seqlens_q: [num_seqs + 1] (int32).
+// Returns softmax(q k^T * scale) v over each token's causal context, [num_tokens, num_heads, head_dim].
+torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
+                              torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q,
+                              double scale) {
+  q = q.contiguous(), block_tables = block_tables.contiguous();
+  const int64_t num_heads = q.size(1), head_dim = q.size(2), block_size = k_cache.size(1),
+                num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t block_stride = num_kv_heads * head_dim * block_size, head_stride = head_dim * block_size;
+  const int *tables = block_tables.data_ptr<int>(), *ctx = context_lens.data_ptr<int>(),
+            *cu_q = cu_seqlens_q.data_ptr<int>();
+  const float *qp = q.data_ptr<float>(), *kp = k_cache.data_ptr<float>(), *vp = v_cache.data_ptr<float>();
+  auto out = torch::zeros_like(q);
+  float* op = out.data_ptr<float>();
+  // A work item is up to `tile` new tokens of one sequence: a long prefill spreads over the threads.
+  const int64_t tile = 16;
+  std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, its first new token in the item)
+  for (int64_t s = 0; s < context_lens.size(0); s++)
+    for (int64_t t = cu_q[s]; t < cu_q[s + 1]; t += tile) items.emplace_back(s, t);
+
+  auto attend = [&](int64_t s, int64_t t0, std::vector<float>& scores, std::vector<int64_t>& visible) {
+    const int64_t t1 = std::min<int64_t>(t0 + tile, cu_q[s + 1]), rows = (t1 - t0) * group;
+    // Causal, aligned bottom-right: new token t (counted in the batch) sits at position first_pos + t.
+    const int64_t first_pos = ctx[s] - (cu_q[s + 1] - cu_q[s]) - cu_q[s];
+    const int64_t num_blocks = (first_pos + t1 + block_size - 1) / block_size, width = num_blocks * block_size;
+    const int* table = tables + s * max_blocks;
+    scores.resize(rows * width);
+    visible.resize(rows);
+    // Row r is new token t0 + r / group and query head h * group + r % group: the heads that share KV head h
+    // are rows of one pass over its keys, so each key is read once for all of them (grouped-query attention).
+    for (int64_t r = 0; r < rows; r++) visible[r] = first_pos + t0 + r / group + 1;
+    auto row = [&](int64_t r) { return (r / group) * num_heads * head_dim + (r % group) * head_dim; };
+    for (int64_t h = 0; h < num_kv_heads; h++) {
+      const float* q_rows = qp + (t0 * num_heads + h * group) * head_dim;
+      float* out_rows = op + (t0 * num_heads + h * group) * head_dim;
+      for (int64_t b = 0; b < num_blocks; b++) {  // 1. scores = q . k * scale, block by block
+        const float* k = kp + table[b] * block_stride + h * head_stride;
+        for (int64_t r = 0; r < rows; r++) {
+          const float* qr = q_rows + row(r);
+          for (int64_t c = 0; c < block_size; c += Vec::size()) {
+            const int64_t n = std::min<int64_t>(Vec::size(), block_size - c);
+            const Vec dot = multiply_add(head_dim, Vec(0.f), [&](int64_t d) { return Vec(qr[d]); },
+                                         [&](int64_t d) { return load(k + d * block_size + c, n); });
+            (dot * Vec(scale)).store(scores.data() + r * width + b * block_size + c, n);
+          }
+        }
+      }
+      for (int64_t r = 0; r < rows; r++) {  // 2. softmax over each row's visible keys, in place
+        float* p = scores.data() + r * width;
+        const int64_t n = visible[r];
+        const float max = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, p, n);
+        at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, p, p, n);
+        const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, p, n);
+        at::vec::map([sum](Vec x) { return x / Vec(sum); }, p, p, n);
+      }
+      for (int64_t b = 0; b < num_blocks; b++) {  // 3. out = p . v, block by block
+        const float* v = vp + table[b] * block_stride + h * head_stride;
+        for (int64_t r = 0; r < rows; r++) {
+          const float* p = scores.data() + r * width + b * block_size;
+          const int64_t keys = std::min(block_size, visible[r] - b * block_size);
+          float* o = out_rows + row(r);
+          for (int64_t c = 0; c < head_dim; c += Vec::size()) {
+            const int64_t n = std::min<int64_t>(Vec::size(), head_dim - c);
+            multiply_add(keys, load(o + c, n), [&](int64_t i) { return Vec(p[i]); },
+                         [&](int64_t i) { return load(v + i * head_dim + c, n); }).store(o + c, n);
+          }
+        }
+      }
+    }
+  };
+  // Each thread takes the next item once it is done with one: items differ in cost (context, new tokens).
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    std::vector<int64_t> visible;
+    for (int64_t i; (i = next++) < (int64_t)items.size();) attend(items[i].first, items[i].second, scores, visible);
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "attention over the paged KV cache, read in place");
+  m.def("store_kvcache", &store_kvcache, "write new K/V into their cache slots, in this kernel's layout");
+}
