@@ -47,6 +47,18 @@ def kv_sizes(c: PretrainedConfig) -> tuple[int, int, int]:
     return c.vocab_size, c.num_key_value_heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
+def check_tensor_parallel_shapes(c: PretrainedConfig, n: int, field: str = "") -> None:
+    """Tensor parallelism gives every rank an equal share of each layer: n ranks must divide the heads and the
+    MLP's width. `field` names the model in the error when it is not the target (the draft's)."""
+    prefix = f"{field}: " if field else ""
+    for name in ("num_attention_heads", "intermediate_size"):
+        if getattr(c, name) % n:
+            raise ValueError(f"{prefix}tensor_parallel_size ({n}) must divide {name} ({getattr(c, name)})")
+    if c.num_key_value_heads % n and n % c.num_key_value_heads:
+        raise ValueError(f"{prefix}tensor_parallel_size ({n}) and num_key_value_heads ({c.num_key_value_heads}) "
+                         "must divide one another (fewer KV heads than ranks are replicated)")
+
+
 # The range of each numeric option, as SamplingParams checks its own: (name, type, allowed, the limit as the
 # error states it). A float must be finite too: NaN fails every comparison, but inf passes ">= 0".
 LIMITS = (
@@ -157,13 +169,8 @@ class Config:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or set enable_chunked_prefill=True"
             )
-        n, c = self.tensor_parallel_size, self.hf_config  # tensor parallelism: equal shares for every rank
-        for name in ("num_attention_heads", "intermediate_size"):
-            if getattr(c, name) % n:
-                raise ValueError(f"tensor_parallel_size ({n}) must divide {name} ({getattr(c, name)})")
-        if c.num_key_value_heads % n and n % c.num_key_value_heads:
-            raise ValueError(f"tensor_parallel_size ({n}) and num_key_value_heads ({c.num_key_value_heads}) "
-                             "must divide one another (fewer KV heads than ranks are replicated)")
+        n = self.tensor_parallel_size
+        check_tensor_parallel_shapes(self.hf_config, n)
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
         self._validate_pipeline()
@@ -197,7 +204,7 @@ class Config:
 
     def _read_draft_model(self, path: str) -> None:
         """The draft model proposes token ids of the target's vocabulary, and its layers become more layers of
-        the target's KV cache (the same blocks): the same tokenizer, KV heads and head size, on one rank."""
+        the target's KV cache (the same blocks): the same tokenizer, KV heads and head size; split as the target is."""
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ValueError(f"speculative_config.model: {path!r} is not a model folder (no config.json found in it)")
         draft = self.draft_hf_config = AutoConfig.from_pretrained(path)
@@ -209,10 +216,11 @@ class Config:
         vocabs = [AutoTokenizer.from_pretrained(p).get_vocab() for p in (path, self.model) if has_tokenizer(p)]
         if len(vocabs) == 2 and vocabs[0] != vocabs[1]:
             raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
-        if self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1:
-            raise ValueError("speculative_config.method='draft_model' runs the draft on one rank: it needs "
-                             "tensor_parallel_size=1 and pipeline_parallel_size=1 (n-gram speculation works with "
-                             "tensor parallelism)")
+        check_tensor_parallel_shapes(draft, self.tensor_parallel_size, "speculative_config.model")
+        if self.pipeline_parallel_size > 1:
+            raise ValueError("speculative_config.method='draft_model' needs pipeline_parallel_size=1: the draft runs "
+                             "whole before the target's forward, so its layers would have to live on one stage "
+                             "(not built)")
         self.max_model_len = min(self.max_model_len, draft.max_position_embeddings)  # it computes every position too
 
     @property

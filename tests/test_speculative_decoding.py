@@ -8,7 +8,7 @@ import random
 import pytest
 from test_scheduling_equality import BLOCK_BYTES, BLOCK_SIZE, COMBOS, run
 
-from conftest import ARCHS, hf_greedy, make_model, random_prompts
+from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
@@ -186,7 +186,11 @@ def test_bad_speculative_config(tiny_models, options, message):
     ({"vocab_size": 256}, {}, r"model: the draft's vocab_size \(256\) differs from the target's \(512\)"),
     ({"num_key_value_heads": 1}, {}, r"draft's num_key_value_heads \(1\) differs"),
     ({"head_dim": 8}, {}, r"draft's head_dim \(8\) differs"),
-    ({}, {"tensor_parallel_size": 2}, "needs tensor_parallel_size=1"),
+    ({}, {"pipeline_parallel_size": 2}, "needs pipeline_parallel_size=1: the draft runs whole before the target"),
+    ({"num_attention_heads": 2}, {"tensor_parallel_size": 4},
+     r"speculative_config.model: tensor_parallel_size \(4\) must divide num_attention_heads \(2\)"),
+    ({"intermediate_size": 129}, {"tensor_parallel_size": 2},
+     r"speculative_config.model: tensor_parallel_size \(2\) must divide intermediate_size \(129\)"),
 ])
 def test_bad_draft_model(tiny_models, tmp_path, overrides, options, message):
     """A draft that cannot propose the target's tokens or share its KV blocks is refused before any work."""
@@ -282,6 +286,28 @@ def test_tensor_parallel(tiny_models):
     llm = LLM(tiny_models["qwen3"], block_size=4, tensor_parallel_size=2, speculative_config=ngram(3))
     assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == want
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
+    del llm
+
+
+@pytest.mark.parametrize("proposer, k, options", [("draft_same", 3, {}),
+                                                 ("draft_other", 1, {"async_scheduling": True})])
+def test_draft_model_tensor_parallel(tiny_models, other_draft, expected, proposer, k, options):
+    """Two ranks, each with its half of the draft's layers as of the target's: every draft forward runs on both
+    (rank 0 takes the argmax), and the output is transformers', also with async scheduling. Then a worker killed
+    as it runs a draft forward makes generate fail within seconds, naming it, instead of hanging in the draft's
+    all-reduce."""
+    prompts, reference = expected
+    llm = LLM(tiny_models["qwen3"], block_size=4, tensor_parallel_size=2, **options,
+              speculative_config=spec_config(proposer, k, tiny_models["qwen3"], other_draft))
+    greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == reference["qwen3"]
+    check_acceptance(proposer, llm.stats.spec_decoding, k)
+    runner, drafts = llm.engine.model_runner, []  # whether each run_model call is the draft's (draft=True)
+    run_model = runner.run_model
+    runner.run_model = lambda *args: drafts.append(args[4:] == (True,)) or run_model(*args)
+    worker = assert_killed_worker_fails_fast(llm, prompts[:4], greedy)
+    assert drafts[:3] == [True, False, True]  # step 1: the draft, the target; killed in step 2's first draft pass
+    assert not worker.is_alive()
     del llm
 
 

@@ -28,6 +28,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.spec_decode.draft_model_proposer import DraftModelProposer
 from nanoserve.engine.torchrun import connect_ranks, env_rank, launched_by_torchrun, start_watching
+from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models.pipeline import receive_logits
 from nanoserve.utils.distributed import destroy_stage_groups, init_stage_groups
 
@@ -117,9 +118,9 @@ class Executor:
         except BaseException:
             self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
             raise
-        self.drafter = None  # speculative decoding with a draft model (rank 0 only: tensor_parallel_size 1)
+        self.drafter = None  # speculative decoding with a draft model: its forwards run on every rank
         if self.model_runner.draft_model is not None:
-            self.drafter = DraftModelProposer(self.model_runner.draft_model, InputBuilder.from_config(config))
+            self.drafter = DraftModelProposer(InputBuilder.from_config(config))
 
     def _start_workers(self, config: Config) -> None:
         with socket.socket() as s:  # a free port for the group to meet on
@@ -171,11 +172,17 @@ class Executor:
         # The draft computes its drafts in the slots just copied or reserved. (Async scheduling: no step of a
         # speculating engine has placeholders, so it sees every token: accounting.py's waits_for_drafts.)
         if self.drafter is not None:
-            inputs = self.drafter.propose(out, inputs)
+            inputs = self.drafter.propose(out, inputs, self.run_draft)
         self.model_runner.fill_placeholders(inputs)
         if inputs is None:
             return None, None
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+
+    def run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  rows: torch.Tensor) -> torch.Tensor | None:
+        """One forward of the draft model on every rank (speculative decoding); its logits of `rows` on rank 0.
+        The proposer gets it each step rather than keeping it: a reference back to self would outlive `del llm`."""
+        return self.call("run_model", input_ids, positions, meta, rows, True)  # draft=True
 
     def finish(self, inputs: ModelInput | None, logits: torch.Tensor | None) -> torch.Tensor:
         """The step's sampled ids, from its logits: with pipeline stages, those the last stage sends."""

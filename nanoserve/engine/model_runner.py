@@ -150,14 +150,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  logits_rows: torch.Tensor) -> torch.Tensor | None:
+                  logits_rows: torch.Tensor, draft: bool = False) -> torch.Tensor | None:
         """Logits of the rows a next token is sampled from (None on a tensor-parallel worker: only rank 0
-        computes them)."""
-        if self.cuda_graphs is not None and self.cuda_graphs.fits(meta):
+        computes them); draft=True: the draft model's instead (spec_decode/draft_model_proposer.py)."""
+        model = self.draft_model if draft else self.model
+        if not draft and self.cuda_graphs is not None and self.cuda_graphs.fits(meta):
             hidden = self.cuda_graphs.replay(input_ids, positions, meta)
         else:
-            hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden, logits_rows)
+            hidden = model(input_ids, positions, meta)
+        return model.compute_logits(hidden, logits_rows)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:

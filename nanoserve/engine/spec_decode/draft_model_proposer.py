@@ -14,27 +14,34 @@ A step with draft_model, after the scheduler reserved 1 + k slots for each specu
                (the last draft goes in too: if all are accepted, its KV must be there)
 then the target verifies the newest token and the k drafts in one forward, as with n-gram drafts. The drafts
 are the draft's greedy tokens: a one-hot draft distribution, so rejection sampling keeps the target's exactly.
+
+The proposer lives on rank 0, with the scheduler, but each draft forward runs on every rank (`run_draft`, the
+Executor's): with tensor parallelism each rank holds its share of the draft's layers, as of the target's.
 """
+from collections.abc import Callable
+
 import torch
-from torch import nn
 
 from nanoserve.engine.input_batch import InputBuilder, ModelInput, to_device
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.utils.math import token_slots
 
 Chunk = tuple[Sequence, int, list[int]]  # (sequence, first position, the tokens computed from there)
+# (input_ids, positions, attention metadata, rows) -> the draft model's logits of those rows, on rank 0
+RunDraft = Callable[[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor], torch.Tensor]
 
 
 class DraftModelProposer:
-    def __init__(self, model: nn.Module, input_builder: InputBuilder):
-        self.model, self.input_builder = model, input_builder
+    def __init__(self, input_builder: InputBuilder):
+        self.input_builder = input_builder
 
     @torch.inference_mode()
-    def propose(self, out: SchedulerOutput, inputs: ModelInput | None) -> ModelInput | None:
+    def propose(self, out: SchedulerOutput, inputs: ModelInput | None, run_draft: RunDraft) -> ModelInput | None:
         """Run the draft over a scheduled step (after its block copies): fill in the drafts of the sequences
         that verify some (their spec_token_ids and the plan's scheduled_spec_decode_tokens), and return the
-        step's inputs rebuilt with them (as they were when nobody speculates)."""
+        step's inputs rebuilt with them (as they were when nobody speculates). run_draft: Executor.run_draft."""
         if inputs is None:
             return None
         chunks, speculating = [], []  # speculating: (seq, position of its newest token, k)
@@ -43,13 +50,13 @@ class DraftModelProposer:
             chunks.append((seq, start, seq.token_ids[start : start + num_tokens - k]))
             if k:
                 speculating.append((seq, start + num_tokens - k - 1, k))
-        drafts = self.forward(chunks, [bool(seq.spec_token_ids) for seq in out.seqs])
+        drafts = self.forward(run_draft, chunks, [bool(seq.spec_token_ids) for seq in out.seqs])
         for j in range(1, max((k for _, _, k in speculating), default=0) + 1):
             speculating = [s for s in speculating if s[2] >= j]  # drafts[i]: draft j of speculating[i]
             for (seq, _, _), token_id in zip(speculating, drafts, strict=True):
                 seq.spec_token_ids[j - 1] = token_id
-            drafts = self.forward([(seq, newest + j, [seq.spec_token_ids[j - 1]]) for seq, newest, _ in speculating],
-                                  [k > j for _, _, k in speculating])
+            chunks = [(seq, newest + j, [seq.spec_token_ids[j - 1]]) for seq, newest, _ in speculating]
+            drafts = self.forward(run_draft, chunks, [k > j for _, _, k in speculating])
         if not out.scheduled_spec_decode_tokens:
             return inputs
         for seq in out.seqs:
@@ -57,7 +64,7 @@ class DraftModelProposer:
                 out.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
         return self.input_builder.prepare_inputs(out)
 
-    def forward(self, chunks: list[Chunk], sample: list[bool]) -> list[int]:
+    def forward(self, run_draft: RunDraft, chunks: list[Chunk], sample: list[bool]) -> list[int]:
         """One forward of the draft over the chunks (writing their KV); the greedy next token after each chunk
         whose `sample` is True."""
         input_ids, positions, slot_mapping, rows = [], [], [], []
@@ -69,6 +76,6 @@ class DraftModelProposer:
                 rows.append(len(input_ids) - 1)
         meta = self.input_builder.attention_metadata([seq.block_table for seq, _, _ in chunks], slot_mapping,
                                                      [len(t) for _, _, t in chunks], [s + len(t) for _, s, t in chunks])
-        device = self.input_builder.device
-        hidden = self.model(to_device(input_ids, torch.int64, device), to_device(positions, torch.int64, device), meta)
-        return self.model.compute_logits(hidden, rows).argmax(dim=-1).tolist() if rows else []
+        input_ids, positions, rows = (to_device(x, torch.int64, self.input_builder.device)
+                                      for x in (input_ids, positions, rows))
+        return run_draft(input_ids, positions, meta, rows).argmax(dim=-1).tolist()
