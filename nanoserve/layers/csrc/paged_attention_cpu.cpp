@@ -21,21 +21,15 @@ using Vec = at::vec::Vectorized<float>;
 // The first `count` floats at p as a vector (the rest zero): the last vector of a block or a head may be short.
 static Vec load(const float* p, int64_t count) { return count == Vec::size() ? Vec::loadu(p) : Vec::loadu(p, count); }
 
-// acc + the sum over i < n of weight(i) * vector(i), in four independent chains of multiply-adds: a single chain
-// would wait for each one to finish before starting the next.
-template <typename W, typename V>
-static Vec multiply_add(int64_t n, Vec acc, W weight, V vector) {
-  Vec a1(0.f), a2(0.f), a3(0.f);
-  int64_t i = 0;
-  for (; i + 4 <= n; i += 4) {
-    acc = at::vec::fmadd(weight(i), vector(i), acc);
-    a1 = at::vec::fmadd(weight(i + 1), vector(i + 1), a1);
-    a2 = at::vec::fmadd(weight(i + 2), vector(i + 2), a2);
-    a3 = at::vec::fmadd(weight(i + 3), vector(i + 3), a3);
-  }
-  for (; i < n; i++) acc = at::vec::fmadd(weight(i), vector(i), acc);
-  return (acc + a1) + (a2 + a3);
+// Ask for the next block's cache lines while this one is computed: the blocks of a sequence are scattered, so the
+// hardware prefetcher, which follows a run of addresses, starts over at each block.
+static void prefetch(const float* p, int64_t n) {
+  for (int64_t i = 0; i < n; i += 64 / sizeof(float)) __builtin_prefetch(p + i);
 }
+
+// Rows of queries computed together: each vector of keys or values loaded serves four rows' multiply-adds, and
+// the four running sums are independent chains (one chain would wait for each multiply-add to finish).
+constexpr int64_t R = 4;
 
 // k, v: this step's [num_tokens, num_kv_heads, head_dim], written to their slots (block * block_size + offset).
 void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache,
@@ -93,34 +87,52 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
       float* out_rows = op + (t0 * num_heads + h * group) * head_dim;
       for (int64_t b = 0; b < num_blocks; b++) {  // 1. scores = q . k * scale, block by block
         const float* k = kp + table[b] * block_stride + h * head_stride;
-        for (int64_t r = 0; r < rows; r++) {
-          const float* qr = q_rows + row(r);
+        if (b + 1 < num_blocks) prefetch(kp + table[b + 1] * block_stride + h * head_stride, head_stride);
+        for (int64_t r0 = 0; r0 < rows; r0 += R) {
+          const float* qr[R];  // past the last row: the last row again, computed and not stored
+          for (int64_t i = 0; i < R; i++) qr[i] = q_rows + row(std::min(r0 + i, rows - 1));
           for (int64_t c = 0; c < block_size; c += Vec::size()) {
             const int64_t n = std::min<int64_t>(Vec::size(), block_size - c);
-            const Vec dot = multiply_add(head_dim, Vec(0.f), [&](int64_t d) { return Vec(qr[d]); },
-                                         [&](int64_t d) { return load(k + d * block_size + c, n); });
-            (dot * Vec(scale)).store(scores.data() + r * width + b * block_size + c, n);
+            Vec acc[R] = {Vec(0.f), Vec(0.f), Vec(0.f), Vec(0.f)};
+            for (int64_t d = 0; d < head_dim; d++) {
+              const Vec keys = load(k + d * block_size + c, n);  // dimension d of n keys
+              for (int64_t i = 0; i < R; i++) acc[i] = at::vec::fmadd(Vec(qr[i][d]), keys, acc[i]);
+            }
+            for (int64_t i = 0; i < std::min(R, rows - r0); i++)
+              (acc[i] * Vec(scale)).store(scores.data() + (r0 + i) * width + b * block_size + c, n);
           }
         }
       }
-      for (int64_t r = 0; r < rows; r++) {  // 2. softmax over each row's visible keys, in place
+      for (int64_t r = 0; r < rows; r++) {  // 2. softmax over each row's visible keys, in place; 0 past them
         float* p = scores.data() + r * width;
         const int64_t n = visible[r];
         const float max = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, p, n);
         at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, p, p, n);
         const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, p, n);
         at::vec::map([sum](Vec x) { return x / Vec(sum); }, p, p, n);
+        std::fill(p + n, p + width, 0.f);
       }
       for (int64_t b = 0; b < num_blocks; b++) {  // 3. out = p . v, block by block
         const float* v = vp + table[b] * block_stride + h * head_stride;
-        for (int64_t r = 0; r < rows; r++) {
-          const float* p = scores.data() + r * width + b * block_size;
-          const int64_t keys = std::min(block_size, visible[r] - b * block_size);
-          float* o = out_rows + row(r);
+        if (b + 1 < num_blocks) prefetch(vp + table[b + 1] * block_stride + h * head_stride, head_stride);
+        for (int64_t r0 = 0; r0 < rows; r0 += R) {
+          const int64_t real = std::min(R, rows - r0);  // rows past the last: the last row, not stored
+          const int64_t keys = std::min(block_size, visible[r0 + real - 1] - b * block_size);  // the most any sees
+          const float* p[R];
+          float* o[R];
+          for (int64_t i = 0; i < R; i++) {
+            p[i] = scores.data() + std::min(r0 + i, rows - 1) * width + b * block_size;
+            o[i] = out_rows + row(std::min(r0 + i, rows - 1));
+          }
           for (int64_t c = 0; c < head_dim; c += Vec::size()) {
             const int64_t n = std::min<int64_t>(Vec::size(), head_dim - c);
-            multiply_add(keys, load(o + c, n), [&](int64_t i) { return Vec(p[i]); },
-                         [&](int64_t i) { return load(v + i * head_dim + c, n); }).store(o + c, n);
+            Vec acc[R];
+            for (int64_t i = 0; i < R; i++) acc[i] = load(o[i] + c, n);
+            for (int64_t j = 0; j < keys; j++) {
+              const Vec value = load(v + j * head_dim + c, n);  // n dimensions of value j
+              for (int64_t i = 0; i < R; i++) acc[i] = at::vec::fmadd(Vec(p[i][j]), value, acc[i]);
+            }
+            for (int64_t i = 0; i < real; i++) acc[i].store(o[i] + c, n);
           }
         }
       }
