@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
-from nanoserve.layers.cpu_attention import load_cpu_attention
 from nanoserve.speculative_config import SpeculativeConfig
+from nanoserve.utils.cpu_kernel import load_cpu_attention
 
 
 def pick_attention_backend(name: str, device: str, dtype: str) -> str:

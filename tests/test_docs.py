@@ -63,6 +63,7 @@ ELSEWHERE = {  # names the docs quote that belong to other projects or to the sh
     "null": "JSON's None", "true": "JSON's True",
     "NaN": "what Python's JSON reader takes for a float NaN", "Infinity": "and for infinity",
     "OMP_WAIT_POLICY": "OpenMP's environment variable",
+    "ATEN_CPU_CAPABILITY": "PyTorch's environment variable that picks the instructions of its CPU kernels (AVX2 runs)",
     "OMP_NUM_THREADS": "OpenMP's environment variable",
     "GOMP_SPINCOUNT": "libgomp's environment variable, one of the thread settings measured (docs/benchmarks.md)",
     "MKL_ENABLE_INSTRUCTIONS": "MKL's environment variable, set to compare it with oneDNN on the AVX2 path",
