@@ -113,6 +113,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="nanoserve also runs with this speculative_config, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': with vs without")
     p.add_argument("--max-num-seqs", type=int, help="nanoserve: most requests per batch (1: batch 1)")
+    p.add_argument("--enable-chunked-prefill", action="store_true",
+                   help="nanoserve: a token budget per step, long prompts cut into chunks (vLLM's default)")
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   help="nanoserve: the token budget per step (default: the engine's; vLLM's CPU default: 4096)")
     p.add_argument("--peer", default="transformers",
                    help="comma-separated peers: transformers, transformers-cb, llama.cpp, vllm; or none")
     p.add_argument("--no-transformers", action="store_true", help="no peers (same as --peer none)")
@@ -266,7 +270,10 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
         options["block_size"] = args.block_size
     if args.max_num_seqs:
         options["max_num_seqs"] = args.max_num_seqs
+    if args.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = args.max_num_batched_tokens
     llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
+              enable_chunked_prefill=args.enable_chunked_prefill,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               compile_elementwise=args.compile_elementwise, **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
@@ -277,7 +284,9 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
                   async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
-                  compile_elementwise=config.compile_elementwise, attention_backend=config.attention_backend)
+                  compile_elementwise=config.compile_elementwise, attention_backend=config.attention_backend,
+                  enable_chunked_prefill=config.enable_chunked_prefill,
+                  max_num_batched_tokens=config.max_num_batched_tokens)
     if config.speculative_config is not None:
         spec = llm.stats.spec_decoding
         result.update(num_drafts=spec.num_drafts, num_draft_tokens=spec.num_draft_tokens,
@@ -580,6 +589,7 @@ def print_table(results: dict, ratios: dict[str, float]) -> None:
 
 def nanoserve_name(dtype: str, args) -> str:
     return (f"nanoserve {dtype}" + " eager" * args.enforce_eager + " async" * args.async_scheduling
+            + " chunked" * args.enable_chunked_prefill
             + " compiled" * args.compile_elementwise)
 
 
