@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS
+from nanoserve.utils.cpu_kernel import load_cpu_attention
 from nanoserve.utils.default_model import find_default_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,6 +103,19 @@ def test_compile_elementwise_flag(config_only, tmp_path):
     nano = report["results"]["nanoserve auto compiled"]
     assert NANOSERVE_FIGURES <= nano.keys() and nano["compile_elementwise"] is True
     assert nano["output_tokens"] == report["workload"]["output_tokens"] and nano["warmup_s"] > 0
+
+
+def test_attention_backends_and_chunked_prefill_flags(config_only, tmp_path):
+    if isinstance(why := load_cpu_attention(), str):
+        pytest.skip(f"the CPU attention kernel cannot be built here: {why}")
+    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--attention-backend", "cpu,torch",
+                       "--enable-chunked-prefill", "--max-num-batched-tokens", "16")
+    results = report["results"]
+    first, other = results["nanoserve auto chunked"], results["nanoserve auto chunked torch attention"]
+    assert (first["attention_backend"], other["attention_backend"]) == ("cpu", "torch")
+    for r in (first, other):
+        assert NANOSERVE_FIGURES <= r.keys() and r["enable_chunked_prefill"] and r["max_num_batched_tokens"] == 16
+    assert other["same_tokens"] == 1.0 and report["ratios"]["attention cpu / torch"] > 0
 
 
 def test_shared_prefix_with_and_without_prefix_cache(config_only, tmp_path):
