@@ -128,8 +128,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the bare matrix multiplies of every step nanoserve ran (the physical limit)")
     p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no CUDA graphs")
     p.add_argument("--async-scheduling", action="store_true", help="nanoserve: plan each step during the last")
-    p.add_argument("--compile-elementwise", action="store_true",
-                   help="nanoserve (CPU): torch.compile RMSNorm, SwiGLU and RoPE")
+    p.add_argument("--elementwise-backend", default="auto",
+                   help="comma-separated, as --attention-backend: RMSNorm, SwiGLU and RoPE in auto, cpu, torch or "
+                        "compile (torch.compile)")
     p.add_argument("--attention-backend", default="auto",
                    help="comma-separated: nanoserve runs with the first (auto, cpu, torch, triton, flash_attn), then "
                         "once more with each other one, in its first dtype (default: auto, the engine's choice)")
@@ -148,6 +149,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.output_len = args.output_len or output_len
     args.dtypes = args.dtype.split(",")
     args.attention_backends = args.attention_backend.split(",")
+    args.elementwise_backends = args.elementwise_backend.split(",")
     args.peers = [] if args.no_transformers or args.peer == "none" else args.peer.split(",")
     for name in args.peers:
         if name not in PEERS:
@@ -266,6 +268,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
 
 def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
     options.setdefault("attention_backend", args.attention_backends[0])
+    options.setdefault("elementwise_backend", args.elementwise_backends[0])
     if args.block_size:
         options["block_size"] = args.block_size
     if args.max_num_seqs:
@@ -275,7 +278,7 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     llm = LLM(path, dtype=dtype, enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling,
               enable_chunked_prefill=args.enable_chunked_prefill,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              compile_elementwise=args.compile_elementwise, **options)
+              **options)
     # The warm-up request is the shared prefix, if any: like a system prompt a running server has seen.
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
     # It also compiles the Triton kernels' variants that CUDA graphs did not: warmup_s shows that cost.
@@ -284,7 +287,7 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
                   async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
-                  compile_elementwise=config.compile_elementwise, attention_backend=config.attention_backend,
+                  elementwise_backend=config.elementwise_backend, attention_backend=config.attention_backend,
                   enable_chunked_prefill=config.enable_chunked_prefill,
                   max_num_batched_tokens=config.max_num_batched_tokens)
     if config.speculative_config is not None:
@@ -589,8 +592,7 @@ def print_table(results: dict, ratios: dict[str, float]) -> None:
 
 def nanoserve_name(dtype: str, args) -> str:
     return (f"nanoserve {dtype}" + " eager" * args.enforce_eager + " async" * args.async_scheduling
-            + " chunked" * args.enable_chunked_prefill
-            + " compiled" * args.compile_elementwise)
+            + " chunked" * args.enable_chunked_prefill)
 
 
 def main(argv=None) -> dict:
@@ -630,11 +632,12 @@ def main(argv=None) -> dict:
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
             first = results[nanoserve_name(args.dtypes[0], args)]
-            for backend in args.attention_backends[1:]:  # the same engine with another attention, right after it
-                other = results[nanoserve_name(args.dtypes[0], args) + f" {backend} attention"] = bench_nanoserve(
-                    path, args, prompts, output_lens, args.dtypes[0], attention_backend=backend)
-                ratios[f"attention {first['attention_backend']} / {backend}"] = \
-                    first["tokens_per_s"] / other["tokens_per_s"]
+            for kind, backends in (("attention", args.attention_backends), ("elementwise", args.elementwise_backends)):
+                for backend in backends[1:]:  # the same engine with another backend, right after it
+                    other = results[nanoserve_name(args.dtypes[0], args) + f" {backend} {kind}"] = bench_nanoserve(
+                        path, args, prompts, output_lens, args.dtypes[0], **{f"{kind}_backend": backend})
+                    ratios[f"{kind} {first[f'{kind}_backend']} / {backend}"] = \
+                        first["tokens_per_s"] / other["tokens_per_s"]
             if args.speculative_config:  # the same engine with speculation, right after it
                 off = results[nanoserve_name(args.dtypes[0], args)]
                 on = results[nanoserve_name(args.dtypes[0], args) + " speculative"] = bench_nanoserve(

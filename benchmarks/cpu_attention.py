@@ -17,7 +17,7 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 import torch  # noqa: E402
 
 from nanoserve.layers.attention import AttentionMetadata, attention_backend  # noqa: E402
-from nanoserve.utils.cpu_kernel import load_cpu_attention  # noqa: E402
+from nanoserve.utils.cpu_kernel import load_cpu_kernel  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16
 CASES = {  # name: (new tokens, context length after the step) per sequence
@@ -64,7 +64,7 @@ def time_step(backend: str, batch: list[tuple[int, int]], repeats: int = 5) -> f
 
 
 if __name__ == "__main__":
-    if isinstance(why := load_cpu_attention(), str):
+    if isinstance(why := load_cpu_kernel("paged_attention_cpu"), str):
         sys.exit(f"the CPU kernel cannot be built here: {why}")
     capability, threads = torch.backends.cpu.get_cpu_capability(), torch.get_num_threads()
     print(f"{capability}, {threads} threads, ms per step ({LAYERS} layers)")

@@ -9,7 +9,7 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
 from nanoserve.speculative_config import SpeculativeConfig
-from nanoserve.utils.cpu_kernel import load_cpu_attention
+from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 
 def pick_attention_backend(name: str, device: str, dtype: str) -> str:
@@ -22,7 +22,7 @@ def pick_attention_backend(name: str, device: str, dtype: str) -> str:
     if name == "auto" and device == "cuda":
         return next((b for b in ("flash_attn", "triton") if installed[b]), "torch")
     if name == "auto":
-        return "cpu" if dtype == "float32" and not isinstance(load_cpu_attention(), str) else "torch"
+        return "cpu" if dtype == "float32" and not isinstance(load_cpu_kernel("paged_attention_cpu"), str) else "torch"
     if name in installed and not installed[name]:
         raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
     if name == "flash_attn" and device != "cuda":
@@ -30,11 +30,33 @@ def pick_attention_backend(name: str, device: str, dtype: str) -> str:
     if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
                          "tests): export TRITON_INTERPRET=1 before starting Python")
-    if name == "cpu" and (device != "cpu" or dtype != "float32"):
-        raise ValueError(f"attention_backend='cpu' is a float32 kernel for the CPU, got device {device!r} and "
-                         f"dtype {dtype!r}")
-    if name == "cpu" and isinstance(why := load_cpu_attention(), str):
-        raise ValueError(f"attention_backend='cpu': the kernel could not be built here ({why})")
+    if name == "cpu":
+        check_cpu_kernel("attention_backend", "paged_attention_cpu", device, dtype)
+    return name
+
+
+def check_cpu_kernel(field: str, source: str, device: str, dtype: str) -> None:
+    """field='cpu' asks for nanoserve's C++ kernel csrc/<source>.cpp: float32, on the CPU, and it must build."""
+    if device != "cpu" or dtype != "float32":
+        raise ValueError(f"{field}='cpu' is a float32 kernel for the CPU, got device {device!r} and dtype {dtype!r}")
+    if isinstance(why := load_cpu_kernel(source), str):
+        raise ValueError(f"{field}='cpu': the kernel could not be built here ({why})")
+
+
+def pick_elementwise_backend(name: str, device: str, dtype: str) -> str:
+    """RMSNorm, SwiGLU and RoPE (layers/elementwise_backend.py): "torch" (eager, the code to read), "cpu" (C++,
+    one pass each), "compile" (torch.compile). "auto": "cpu" on the CPU in float32 where it builds, else "torch"."""
+    choices = ("auto", "torch", "cpu", "compile")
+    if name not in choices:
+        raise ValueError(f"elementwise_backend must be one of {choices}, got {name!r}")
+    if name == "auto":
+        cpu_float32 = device == "cpu" and dtype == "float32"
+        return "cpu" if cpu_float32 and not isinstance(load_cpu_kernel("elementwise_cpu"), str) else "torch"
+    if name == "cpu":
+        check_cpu_kernel("elementwise_backend", "elementwise_cpu", device, dtype)
+    if name == "compile" and device != "cpu":
+        raise ValueError(f"elementwise_backend='compile' is for the CPU (not tried with CUDA graphs), got device "
+                         f"{device!r}")
     return name
 
 
@@ -100,7 +122,7 @@ class Config:
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
-    compile_elementwise: bool = False  # CPU: torch.compile RMSNorm, SwiGLU and RoPE (layers/compile_elementwise.py)
+    elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu" (C++), "compile" or "torch"; "auto": cpu on CPU
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
@@ -135,6 +157,7 @@ class Config:
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
         self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype)
+        self.elementwise_backend = pick_elementwise_backend(self.elementwise_backend, self.device, self.dtype)
         # The PyTorch attention copies each sequence's KV out block by block, padding to whole blocks,
         # so small blocks waste less (16 is vLLM's default); flash-attn's paged kernels need 256. The Triton
         # kernels find a token's block with shifts and masks: any power of two from 16 up.
@@ -158,9 +181,6 @@ class Config:
             raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {self.block_size}")
         if self.attention_backend == "triton" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
-        if self.compile_elementwise and self.device != "cpu":
-            raise ValueError(f"compile_elementwise=True is for CPU (not tried with CUDA graphs), got device "
-                             f"{self.device!r}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.

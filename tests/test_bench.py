@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from conftest import CONFIGS
-from nanoserve.utils.cpu_kernel import load_cpu_attention
+from nanoserve.utils.cpu_kernel import load_cpu_kernel
 from nanoserve.utils.default_model import find_default_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -98,15 +98,16 @@ def test_async_scheduling_flag(config_only, tmp_path):
     assert nano["output_tokens"] == report["workload"]["output_tokens"] and nano["forward_s"] > 0
 
 
-def test_compile_elementwise_flag(config_only, tmp_path):
-    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--compile-elementwise")
-    nano = report["results"]["nanoserve auto compiled"]
-    assert NANOSERVE_FIGURES <= nano.keys() and nano["compile_elementwise"] is True
-    assert nano["output_tokens"] == report["workload"]["output_tokens"] and nano["warmup_s"] > 0
+def test_elementwise_backend_flag(config_only, tmp_path):
+    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--elementwise-backend", "torch,compile")
+    first, other = report["results"]["nanoserve auto"], report["results"]["nanoserve auto compile elementwise"]
+    assert (first["elementwise_backend"], other["elementwise_backend"]) == ("torch", "compile")
+    assert NANOSERVE_FIGURES <= other.keys() and other["same_tokens"] == 1.0 and other["warmup_s"] > 0
+    assert report["ratios"]["elementwise torch / compile"] > 0
 
 
 def test_attention_backends_and_chunked_prefill_flags(config_only, tmp_path):
-    if isinstance(why := load_cpu_attention(), str):
+    if isinstance(why := load_cpu_kernel("paged_attention_cpu"), str):
         pytest.skip(f"the CPU attention kernel cannot be built here: {why}")
     report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--attention-backend", "cpu,torch",
                        "--enable-chunked-prefill", "--max-num-batched-tokens", "16")

@@ -11,9 +11,10 @@ import torch
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config, pick_attention_backend
 from nanoserve.layers.attention import AttentionMetadata, attention_backend
-from nanoserve.utils.cpu_kernel import load_cpu_attention
+from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
-pytestmark = pytest.mark.skipif(isinstance(load_cpu_attention(), str), reason=f"no kernel: {load_cpu_attention()}")
+KERNEL = load_cpu_kernel("paged_attention_cpu")
+pytestmark = pytest.mark.skipif(isinstance(KERNEL, str), reason=f"no kernel: {KERNEL}")
 
 
 def run_backend(name: str, batch: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, dim: int,
@@ -88,7 +89,7 @@ def test_backend_choice(tiny_models, monkeypatch):
     with pytest.raises(ValueError, match="float32 kernel for the CPU, got device 'cuda'"):
         pick_attention_backend("cpu", "cuda", "float32")
     # Where it cannot be built (no compiler, no OpenMP): "auto" keeps PyTorch's path, asking for it says why.
-    monkeypatch.setattr("nanoserve.config.load_cpu_attention", lambda: "CalledProcessError: no compiler")
+    monkeypatch.setattr("nanoserve.config.load_cpu_kernel", lambda source: "CalledProcessError: no compiler")
     assert Config(path, device="cpu").attention_backend == "torch"
     with pytest.raises(ValueError, match=r"attention_backend='cpu': the kernel could not be built here \(.*compiler"):
         Config(path, device="cpu", attention_backend="cpu")

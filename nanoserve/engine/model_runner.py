@@ -8,7 +8,7 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
-from nanoserve.layers.compile_elementwise import compile_elementwise
+from nanoserve.layers.elementwise_backend import use_elementwise_backend
 from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import load_model
 from nanoserve.outputs import Logprob
@@ -30,12 +30,12 @@ class ModelRunner:
             keep_freed_memory()  # reuse activation memory across steps instead of page-faulting it in
         torch.manual_seed(config.seed)
         self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device)
-        if config.compile_elementwise:
-            compile_elementwise(self.model)
         # Speculative decoding's draft model (spec_decode/draft_model_proposer.py): its layers are more layers
         # of the same KV cache, so its KV shares the target's blocks and block tables.
         self.draft_model = None if config.draft_hf_config is None else load_model(
             config.draft_hf_config, config.speculative_config.model, config.torch_dtype, self.device)
+        for model in [m for m in (self.model, self.draft_model) if m is not None]:  # RMSNorm, SwiGLU, RoPE
+            use_elementwise_backend(model, config.elementwise_backend)
         self.sampler = Sampler()
         self.attn_layers = [m for model in (self.model, self.draft_model) if model is not None
                             for m in model.modules() if isinstance(m, Attention)]

@@ -8,17 +8,17 @@ block table, vectorized with PyTorch's own at::vec. nanoserve/utils/cpu_kernel.p
 """
 import torch
 
-from nanoserve.utils.cpu_kernel import load_cpu_attention
+from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 
 def cpu_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V into their slots, in the kernel's layout within each block."""
-    load_cpu_attention().store_kvcache(k, v, k_cache, v_cache, slot_mapping)
+    load_cpu_kernel("paged_attention_cpu").store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
                         ) -> torch.Tensor:
     """torch_paged_attention's contract (meta: its AttentionMetadata), reading the cache in place."""
-    return load_cpu_attention().paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                                meta.cu_seqlens_q, scale)
+    return load_cpu_kernel("paged_attention_cpu").paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, scale)
