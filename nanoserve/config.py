@@ -22,7 +22,7 @@ def pick_attention_backend(name: str, device: str, dtype: str) -> str:
     if name == "auto" and device == "cuda":
         return next((b for b in ("flash_attn", "triton") if installed[b]), "torch")
     if name == "auto":
-        return "cpu" if dtype == "float32" and not isinstance(load_cpu_kernel("paged_attention_cpu"), str) else "torch"
+        return "cpu" if cpu_kernel_runs("paged_attention_cpu", device, dtype) else "torch"
     if name in installed and not installed[name]:
         raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
     if name == "flash_attn" and device != "cuda":
@@ -33,6 +33,11 @@ def pick_attention_backend(name: str, device: str, dtype: str) -> str:
     if name == "cpu":
         check_cpu_kernel("attention_backend", "paged_attention_cpu", device, dtype)
     return name
+
+
+def cpu_kernel_runs(source: str, device: str, dtype: str) -> bool:
+    """What "auto" asks: nanoserve's C++ kernel csrc/<source>.cpp is float32 on the CPU, and must build here."""
+    return device == "cpu" and dtype == "float32" and not isinstance(load_cpu_kernel(source), str)
 
 
 def check_cpu_kernel(field: str, source: str, device: str, dtype: str) -> None:
@@ -50,8 +55,7 @@ def pick_elementwise_backend(name: str, device: str, dtype: str) -> str:
     if name not in choices:
         raise ValueError(f"elementwise_backend must be one of {choices}, got {name!r}")
     if name == "auto":
-        cpu_float32 = device == "cpu" and dtype == "float32"
-        return "cpu" if cpu_float32 and not isinstance(load_cpu_kernel("elementwise_cpu"), str) else "torch"
+        return "cpu" if cpu_kernel_runs("elementwise_cpu", device, dtype) else "torch"
     if name == "cpu":
         check_cpu_kernel("elementwise_backend", "elementwise_cpu", device, dtype)
     if name == "compile" and device != "cpu":

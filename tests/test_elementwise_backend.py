@@ -82,6 +82,17 @@ def test_backend_equals_transformers(tiny_models, arch, backend):
     assert one[0].outputs[0].token_ids == outputs[0].outputs[0].token_ids
 
 
+@needs_kernel
+def test_draft_model_gets_the_backend_too(tiny_models):
+    path = tiny_models["qwen3"]
+    llm = LLM(path, block_size=16,
+              speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
+    runner = llm.engine.executor.model_runner
+    for model in (runner.model, runner.draft_model):
+        modules = [m for m in model.modules() if type(m) in CPU_FORWARDS]
+        assert modules and all(m.forward.__func__ is CPU_FORWARDS[type(m)] for m in modules)
+
+
 def test_backend_choice(tiny_models, monkeypatch):
     path = tiny_models["qwen3"]
     if not isinstance(KERNEL, str):

@@ -34,11 +34,11 @@ class ModelRunner:
         # of the same KV cache, so its KV shares the target's blocks and block tables.
         self.draft_model = None if config.draft_hf_config is None else load_model(
             config.draft_hf_config, config.speculative_config.model, config.torch_dtype, self.device)
-        for model in [m for m in (self.model, self.draft_model) if m is not None]:  # RMSNorm, SwiGLU, RoPE
+        models = [m for m in (self.model, self.draft_model) if m is not None]
+        for model in models:  # RMSNorm, SwiGLU and RoPE as config.elementwise_backend says
             use_elementwise_backend(model, config.elementwise_backend)
         self.sampler = Sampler()
-        self.attn_layers = [m for model in (self.model, self.draft_model) if model is not None
-                            for m in model.modules() if isinstance(m, Attention)]
+        self.attn_layers = [m for model in models for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None

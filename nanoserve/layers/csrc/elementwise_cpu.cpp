@@ -26,7 +26,8 @@ std::vector<torch::Tensor> rms_norm(torch::Tensor x, std::optional<torch::Tensor
   TORCH_CHECK(x3.stride(2) == 1 && weight.is_contiguous(), "rms_norm: rows must be contiguous");
   auto out = torch::empty({tokens, heads, size}, x.options());
   auto sum = with_residual ? torch::empty_like(out) : torch::Tensor();
-  const float *w = weight.data_ptr<float>(), *r = with_residual ? residual->contiguous().data_ptr<float>() : nullptr;
+  const auto res = with_residual ? residual->contiguous() : torch::Tensor();  // kept alive while r points into it
+  const float *w = weight.data_ptr<float>(), *r = with_residual ? res.data_ptr<float>() : nullptr;
   const float* xp = x3.data_ptr<float>();
   float *op = out.data_ptr<float>(), *sp = with_residual ? sum.data_ptr<float>() : nullptr;
   const int64_t s0 = x3.stride(0), s1 = x3.stride(1), n = Vec::size();
