@@ -12,7 +12,7 @@ import os
 import tempfile
 import time
 
-from nanoserve.models.pipeline import Stage
+from nanoserve.parallel.pipeline import Stage
 
 LOG = os.environ.setdefault("NANOSERVE_TIMELINE", tempfile.mkdtemp(prefix="timeline-"))
 receive_or_embed, send_or_norm, started = Stage.receive_or_embed, Stage.send_or_norm, [0.0]

@@ -3,9 +3,8 @@ from nanoserve.utils.threads import set_thread_defaults
 
 set_thread_defaults()  # first: OpenMP reads its settings when the imports below load torch
 
-from nanoserve.async_llm import AsyncLLM  # noqa: E402
 from nanoserve.beam_search_params import BeamSearchParams  # noqa: E402
-from nanoserve.llm import LLM  # noqa: E402
+from nanoserve.chapters import LLM, AsyncLLM  # noqa: E402  (the core's, with the features plugged in)
 from nanoserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 

@@ -2,15 +2,16 @@ import asyncio
 import contextlib
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from functools import partial
 from itertools import count
 
-from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.engine.core import EngineCoreOutput
+from nanoserve.config import Config
+from nanoserve.engine.core import EngineCore, EngineCoreOutput
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.llm import Prompt, make_engine, prompt_text, prompt_token_ids
+from nanoserve.llm import Prompt, make_config, prompt_text, prompt_token_ids
 from nanoserve.outputs import RequestOutput
-from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.sampling_params import SamplingParams
 
 
 class RequestQueues(dict):
@@ -31,8 +32,10 @@ class AsyncLLM:
     background thread; `generate` sends a request down its input queue and yields RequestOutputs as steps
     produce tokens. Leaving the `async for` early, or cancelling its task, aborts the request."""
 
+    build_engine: Callable[[Config], EngineCore] = EngineCore  # as LLM's: nanoserve.AsyncLLM plugs the features in
+
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine_core = make_engine(model, kwargs)
+        self.engine_core = type(self).build_engine(make_config(model, kwargs))
         self.config, self.tokenizer = self.engine_core.config, self.engine_core.tokenizer
         self.input_queue: queue.Queue = queue.Queue()
         self.queues = RequestQueues()
@@ -48,19 +51,8 @@ class AsyncLLM:
         request_id = str(next(self.request_ids)) if request_id is None else request_id
         self.engine_core.check_request(token_ids, params, priority)  # a bad request fails here, not in the loop
         state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind, params.n)
-        async for output in self._stream(state, ("add", request_id, token_ids, params, priority)):
-            yield output
-
-    async def beam_search(self, prompt: Prompt, params: BeamSearchParams,
-                          request_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """vLLM's EngineClient.beam_search: one RequestOutput, once the search is done, with the beam_width best
-        sequences, best first (as LLM.beam_search; engine/beam_scheduler.py)."""
-        token_ids = prompt_token_ids(self.tokenizer, prompt)
-        request_id = str(next(self.request_ids)) if request_id is None else request_id
-        self.engine_core.check_beam_request(token_ids, params)
-        state = RequestState(request_id, prompt_text(prompt), token_ids, RequestOutputKind.FINAL_ONLY,
-                             params.beam_width)
-        async for output in self._stream(state, ("add_beam", request_id, token_ids, params)):
+        add = partial(self.engine_core.add_request, request_id, token_ids, params, priority)
+        async for output in self._stream(state, ("add", request_id, add)):
             yield output
 
     async def _stream(self, state: RequestState, message: tuple) -> AsyncIterator[RequestOutput]:

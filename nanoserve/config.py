@@ -211,7 +211,7 @@ class Config:
             raise ValueError(f"pipeline_parallel_size ({p}) exceeds the model's {num_layers} layers "
                              "(num_hidden_layers): every stage needs at least one")
         world = p * self.tensor_parallel_size
-        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", world)) != world:  # engine/torchrun.py
+        if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", world)) != world:  # parallel/torchrun.py
             raise ValueError(f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes, but "
                              f"pipeline_parallel_size x tensor_parallel_size is {p} x {self.tensor_parallel_size}")
         if p > 1 and self.device == "cuda" and world > torch.cuda.device_count() and "RANK" not in os.environ:

@@ -5,12 +5,10 @@ from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.engine.scheduler import SchedulerStats
-from nanoserve.engine.trace import StepRecord
+from nanoserve.engine.scheduler_output import SchedulerStats
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.utils.default_model import resolve_model
@@ -19,13 +17,13 @@ Prompt = str | list[int] | dict
 Params = SamplingParams | list[SamplingParams] | None
 
 
-def make_engine(model: str | None, options: dict) -> EngineCore:
-    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: check the options, load the model."""
+def make_config(model: str | None, options: dict) -> Config:
+    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
     names = {f.name for f in fields(Config) if f.init}
     unknown = set(options) - names
     if unknown:
         raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
-    return EngineCore(Config(resolve_model(model), **options))
+    return Config(resolve_model(model), **options)
 
 
 def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
@@ -52,21 +50,19 @@ def prompt_text(prompt: Prompt) -> str | None:
 
 class LLM:
     """The offline API, shaped like vLLM's: `LLM(model, **config).generate(prompts, sampling_params)`.
-    It steps the EngineCore itself until every request it added is done."""
+    It steps the EngineCore itself until every request it added is done. This is the core's: `nanoserve.LLM`
+    (nanoserve/chapters.py) is the same with the features plugged in (`build_engine`)."""
+
+    build_engine: Callable[[Config], EngineCore] = EngineCore  # the plain engine: no feature plugged in
 
     def __init__(self, model: str | None = None, **kwargs):
-        self.engine = make_engine(model, kwargs)
+        self.engine = type(self).build_engine(make_config(model, kwargs))
         self.tokenizer = self.engine.tokenizer
         self.request_ids = count()
 
     @property
     def stats(self) -> SchedulerStats:
         return self.engine.scheduler.stats
-
-    @property
-    def trace(self) -> list[StepRecord] | None:
-        """With LLM(..., trace=True): one StepRecord per engine step so far; else None."""
-        return self.engine.recorder.trace
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
                  use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
@@ -84,17 +80,6 @@ class LLM:
             self.engine.check_request(*request)
         return self._add_and_run(prompts, token_ids, [p.n for p in sampling_params], use_tqdm, lambda request_id, i: (
             self.engine.add_request(request_id, token_ids[i], sampling_params[i], priority[i])))
-
-    def beam_search(self, prompts: Prompt | list[Prompt], params: BeamSearchParams,
-                    use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt with params.beam_width sequences, best first, each with its cumulative_logprob
-        (engine/beam_scheduler.py; the search follows transformers' generate(num_beams=...))."""
-        prompts = prompt_list(prompts)
-        token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
-        for ids in token_ids:  # all checked before any request is queued
-            self.engine.check_beam_request(ids, params)
-        return self._add_and_run(prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
-                                 lambda request_id, i: self.engine.add_beam_request(request_id, token_ids[i], params))
 
     def _add_and_run(self, prompts: list[Prompt], token_ids: list[list[int]], ns: list[int], use_tqdm: bool,
                      add: Callable[[str, int], None]) -> list[RequestOutput]:

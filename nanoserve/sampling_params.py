@@ -5,6 +5,9 @@ from enum import Enum
 
 from nanoserve.structured_outputs import StructuredOutputsParams
 
+# Fields a feature serves (engine/seams.py request_options): a plain engine refuses a request that sets one.
+FEATURE_FIELDS = ("structured_outputs",)
+
 
 class RequestOutputKind(Enum):
     """What each streamed RequestOutput carries (vLLM's names)."""

@@ -2,7 +2,7 @@
 
 A leaf module (no torch, no transformers), like sampling_params.py, so that config.py can import it.
 """
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 METHODS = ("ngram", "draft_model")
 # Most draft tokens verified per request per step (vLLM's rejection sampler has the same cap): a step computes
@@ -79,3 +79,38 @@ class SpeculativeConfig:
         """Does a step with num_running running requests speculate? Big batches already keep the hardware
         busy, so verifying guesses there costs more than it saves (vLLM's disable_by_batch_size)."""
         return self.disable_by_batch_size is None or num_running <= self.disable_by_batch_size
+
+
+@dataclass
+class SpecDecodingStats:
+    """vLLM's speculative decoding counters: how often the guesses pay off."""
+
+    num_drafts: int = 0  # verifications of one request's drafts (requests x steps that speculated)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [i]: drafts accepted at position i
+
+    def observe(self, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """One request's verification: its first num_accepted_tokens drafts were accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted_tokens
+        missing = num_draft_tokens - len(self.num_accepted_tokens_per_pos)
+        self.num_accepted_tokens_per_pos += [0] * max(0, missing)
+        for i in range(num_accepted_tokens):
+            self.num_accepted_tokens_per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts per draft proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def acceptance_rate_per_pos(self) -> list[float]:
+        """[i]: the share of verifications whose draft i was accepted (so all drafts before it too)."""
+        return [n / self.num_drafts for n in self.num_accepted_tokens_per_pos]
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verification: the accepted drafts plus the target's own token (1: no gain)."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0

@@ -1,6 +1,7 @@
 """What a request's output must match (vLLM's `StructuredOutputsParams`): a JSON schema, any JSON object, a regular
 expression, one of a few strings, or a grammar. Each becomes a grammar (`grammar_source`), which
-`nanoserve/engine/grammar.py` compiles into a per-step token mask with xgrammar (`pip install 'nanoserve[structured]'`).
+`nanoserve/structured_output/grammar.py` compiles into a per-step token mask with xgrammar
+(`pip install 'nanoserve[structured]'`).
 """
 import json
 import re

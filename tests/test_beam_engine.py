@@ -1,4 +1,4 @@
-"""LLM.beam_search through the engine (engine/beam_scheduler.py) against transformers' generate(num_beams=...):
+"""LLM.beam_search through the engine (beam_search/scheduler.py) against transformers' generate(num_beams=...):
 token for token and in order, on the three tiny architectures, in blocks of 4 (every prompt crosses block
 boundaries, and siblings split a shared last block by copy-on-write); the block books step by step; preemption;
 the demo model; the refusals."""

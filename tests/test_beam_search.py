@@ -1,4 +1,4 @@
-"""Beam search's step (nanoserve/engine/beam_search.py) against transformers' generate(num_beams=...).
+"""Beam search's step (nanoserve/beam_search/search.py) against transformers' generate(num_beams=...).
 
 The reference driver runs the step with a plain transformers forward over every beam's whole sequence (no KV
 cache, no engine); its result must equal generate's token for token and in the returned order. The hand-made
@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorL
 
 from conftest import ARCHS, random_prompts
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.engine.beam_search import BeamChild, BeamSearch, BeamStepOutput, Candidate, Hypothesis
+from nanoserve.beam_search.search import BeamChild, BeamSearch, BeamStepOutput, Candidate, Hypothesis
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling_params import SamplingParams

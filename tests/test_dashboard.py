@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import Server, start_server
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.engine.trace import StepRecord
+from nanoserve.step_records import StepRecord
 from nanoserve.serving.app import build_app
 from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
 from nanoserve.tools.trace import STATES
@@ -191,7 +191,7 @@ def test_off_by_default_nothing_recorded(tiny_models, monkeypatch):
     def fail(*args):
         raise AssertionError("a step record was made")
 
-    monkeypatch.setattr("nanoserve.engine.trace.record_step", fail)
+    monkeypatch.setattr("nanoserve.step_records.record_step", fail)
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
     assert llm.engine.recorder.listeners == [] and llm.engine.recorder.num_steps == 0

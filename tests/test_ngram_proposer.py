@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from nanoserve.engine.spec_decode.ngram_proposer import NgramProposer
+from nanoserve.spec_decode.ngram_proposer import NgramProposer
 
 
 def propose(tokens: list[int], k: int, lookup_min: int = 1, lookup_max: int = 5) -> list[int]:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.core import EngineCore
-from nanoserve.models.pipeline import stage_layers
+from nanoserve.parallel.pipeline import stage_layers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 OPTIONS = dict(block_size=8, num_kvcache_blocks=20)  # 160 token slots: the 8 plain prompts cannot run together

@@ -1,7 +1,7 @@
 """Verification of draft tokens: exact on greedy rows, distribution-preserving on sampled ones, reproducible."""
 import torch
 
-from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nanoserve.layers.sampler import Sampler, SamplingMetadata
 
 V = 8

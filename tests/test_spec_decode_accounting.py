@@ -6,7 +6,7 @@ import pytest
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.accounting import (
+from nanoserve.spec_decode.accounting import (
     SpecDecodingStats,
     free_tail,
     num_rejected_tokens,

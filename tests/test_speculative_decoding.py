@@ -14,7 +14,7 @@ from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
-from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 MAX_TOKENS = 32
 

@@ -95,7 +95,7 @@ def test_unconstrained_greedy_output_is_unchanged(llm):
 def test_every_sampled_token_is_allowed_at_its_position(llm):
     """Sampling at temperature 2 (the model would wander anywhere) from a grammar over a few tokens; replaying
     each output through a fresh matcher, every token is in the mask at its position, and the last one ends it."""
-    from nanoserve.engine.grammar import allocate_bitmask
+    from nanoserve.structured_output.grammar import allocate_bitmask
 
     grammar = 'root ::= ("ab" | "cd" | " x")+ "."'
     params = structured("grammar", grammar, temperature=2.0, n=4, seed=0, max_tokens=40)
@@ -162,7 +162,7 @@ SPEC = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, 
 
 def replay(compiler, spec: StructuredOutputsParams, token_ids: list[int]) -> None:
     """A fresh matcher through the output: every token is in the mask at its position."""
-    from nanoserve.engine.grammar import allocate_bitmask
+    from nanoserve.structured_output.grammar import allocate_bitmask
 
     matcher = compiler.matcher(spec)
     for token_id in token_ids:

@@ -1,4 +1,4 @@
-"""Structured outputs' building blocks (nanoserve/structured_outputs.py, nanoserve/engine/grammar.py) on the demo
+"""Structured outputs' building blocks (nanoserve/structured_outputs.py, nanoserve/structured_output/grammar.py) on the demo
 model's tokenizer (49,152 byte-level BPE tokens): the specs' checks, the compile cache, and masks checked against
 the whole vocabulary with Python's own bytes and regex rules, not with xgrammar's."""
 import json
@@ -12,7 +12,7 @@ from nanoserve.structured_outputs import StructuredOutputsParams
 xgr = pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install 'nanoserve[structured]')")
 from transformers import AutoTokenizer  # noqa: E402
 
-from nanoserve.engine.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask  # noqa: E402
+from nanoserve.structured_output.grammar import GrammarCompiler, allocate_bitmask, apply_bitmask  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from test_speculative_decoding import repetitive_prompts
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.engine.trace import StepReader
+from nanoserve.step_records import StepReader
 from nanoserve.tools.trace import (
     DEFAULT_OUT,
     SCENARIOS,
@@ -229,7 +229,7 @@ def test_speculative_drafts_are_recorded(tiny_models, monkeypatch, scheduling):
             if r.spec_token_ids:
                 assert f"{names[r.seq_id]}:{r.num_tokens}[{r.num_accepted_tokens}/{len(r.spec_token_ids)}]" in line
     # Tracing changes nothing; off, nothing is recorded.
-    monkeypatch.setattr("nanoserve.engine.trace.record_step", lambda *args: pytest.fail("a record was made"))
+    monkeypatch.setattr("nanoserve.step_records.record_step", lambda *args: pytest.fail("a record was made"))
     untraced = LLM(tiny_models["qwen3"], **options)
     assert [o.outputs[0].token_ids for o in untraced.generate(prompts, params, use_tqdm=False)] == [
         o.outputs[0].token_ids for o in outputs]

@@ -4,6 +4,7 @@ import numpy as np
 import xxhash
 
 from nanoserve.engine.sequence import Sequence
+from nanoserve.utils.math import cdiv
 
 
 def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -157,6 +158,16 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self.free_block_ids.append(block_id)
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past its first num_tokens tokens (speculative rollback: those that held only
+        rejected lookahead tokens). Never hashed, they go to the front of the free queue, to be reused before
+        any block the prefix cache can still hit."""
+        keep = cdiv(num_tokens, self.block_size)
+        tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
+        for block_id in tail:
+            self.blocks[block_id].ref_count -= 1
+        self.free_block_ids.extendleft(reversed([b for b in tail if self.blocks[b].ref_count == 0]))
 
     def deallocate(self, seq: Sequence) -> None:
         self._free(seq.block_table)

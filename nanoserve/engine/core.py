@@ -1,24 +1,21 @@
 import queue
 from collections import Counter, deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from itertools import count
 
 import torch
 from transformers import AutoTokenizer
 
-from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config, has_tokenizer
-from nanoserve.engine.beam_scheduler import BeamRequest, BeamScheduler, beam_sampling_params
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.executor import Executor
 from nanoserve.engine.input_batch import InputBuilder, ModelInput
-from nanoserve.engine.request import EngineCoreOutput, Request
+from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.proposer import propose_drafts
-from nanoserve.engine.structured_output_manager import StructuredOutputManager
-from nanoserve.engine.trace import StepRecorder
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.engine.seams import Seams
+from nanoserve.engine.sequence import Request, Sequence
+from nanoserve.sampling_params import FEATURE_FIELDS, SamplingParams
 from nanoserve.utils.math import cdiv
 
 
@@ -41,27 +38,24 @@ class LaunchedStep(Future):
 
 class EngineCore:
     """The engine (vLLM V1's EngineCore): owns the requests, the scheduler, the KV blocks and the executor
-    (the model on every rank). `step()` = schedule -> run the model -> update; the offline LLM calls it in a
-    loop, AsyncLLM runs `run_busy_loop` in a thread. With async_scheduling, `step_with_batch_queue` takes its
-    place."""
+    (the model). `step()` = schedule -> run the model -> update; the offline LLM calls it in a loop, AsyncLLM
+    runs `run_busy_loop` in a thread. With async_scheduling, `step_with_batch_queue` takes its place. Features
+    plug in through `seams` (engine/seams.py); without any, this is the whole engine."""
 
-    def __init__(self, config: Config):
+    def __init__(self, config: Config, seams: Seams | None = None):
         self.config = config
-        self.executor = Executor(config)
+        self.seams = Seams() if seams is None else seams
+        self.executor = (self.seams.executor_class or Executor)(config, self.seams)
         self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-        self.input_builder = InputBuilder.from_config(config)
+        self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching)
         swap_pool = (BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
                      if config.preemption_mode == "swap" else None)  # a second allocator, over the host pool
-        self.scheduler = Scheduler(config, self.block_manager, swap_pool)
+        self.scheduler = Scheduler(config, self.block_manager, swap_pool, self.seams.needs_newest_token)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
-        self.beam_scheduler = BeamScheduler(config, self.scheduler, self.tokenizer)  # LLM.beam_search's requests
-        self.structured_outputs = StructuredOutputManager(self.tokenizer, config.hf_config.vocab_size,
-                                                          config.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
-        self.recorder = StepRecorder(keep=config.trace)  # step records: llm.trace, the dashboard (engine/trace.py)
         # Async scheduling: the batch queue holds the (plan, future) of the steps in flight (num_batches_in_flight).
         # On CPU or with stages a thread runs the forwards (not a draft model's: it reads what planning changes).
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] | None = None
@@ -84,6 +78,9 @@ class EngineCore:
         for name in ("logprobs", "prompt_logprobs"):
             if (getattr(params, name) or 0) > vocab_size:
                 raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
+        for name in FEATURE_FIELDS:  # options a feature serves: one must be plugged in
+            if getattr(params, name) is not None and name not in self.seams.request_options:
+                raise ValueError(f"{name}: this engine has no feature plugged in for it (nanoserve.LLM has)")
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority: got {priority}, but it needs scheduling_policy='priority'")
         if params.stop and self.tokenizer is None:
@@ -104,26 +101,19 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     priority: int = 0) -> None:
         self.check_request(prompt_token_ids, sampling_params, priority)
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
         request = Request(request_id, prompt_token_ids, sampling_params, block_size=self.config.block_size,
                           seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority)
-        self.structured_outputs.add_request(request)  # compiles its grammar (cached), off the step path
-        self.requests[request_id] = request
+        for name, set_up in self.seams.request_options.items():  # e.g. compile its grammar, off the step path
+            if getattr(sampling_params, name) is not None:
+                set_up(request)
+        self.add(request)
+
+    def add(self, request: Request) -> None:
+        """Queue a checked request (a feature may build its own: beam search); its first sequence waits."""
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id: {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
         self.scheduler.add(request.first_seq)  # the others fork from it once its prompt is done
-
-    def check_beam_request(self, token_ids: list[int], params: BeamSearchParams) -> None:
-        self.beam_scheduler.check(params)  # then the prompt, and the KV blocks of beam_width sequences:
-        self.check_request(token_ids, beam_sampling_params(params))
-
-    def add_beam_request(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
-        """A beam search (LLM.beam_search): its beams are one sequence group (engine/beam_scheduler.py)."""
-        self.check_beam_request(prompt_token_ids, params)
-        if request_id in self.requests:
-            raise ValueError(f"request_id: {request_id!r} is already in use")
-        request = BeamRequest(request_id, prompt_token_ids, params, self.config, self.seq_ids)
-        self.requests[request_id] = request
-        self.scheduler.add(request.first_seq)
 
     def abort_request(self, request_id: str) -> bool:
         """Drop a request and free its blocks. False if there is no such request (it may have finished)."""
@@ -132,7 +122,8 @@ class EngineCore:
             return False
         for seq in request.seqs:
             self.scheduler.finish(seq)
-        self.recorder.notify(None)  # the queues and blocks changed between steps
+        for observe in self.seams.observers:  # the queues and blocks changed between steps
+            observe(None, [])
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -185,22 +176,21 @@ class EngineCore:
             return future
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
-        """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), then
-        detokenize each new token and look for stop strings; drop the requests that are done."""
+        """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), let the
+        features' after_step seams act, then detokenize each new token and look for stop strings; drop the
+        requests that are done."""
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
-        self.structured_outputs.advance(updated, self.scheduler.finish)  # a complete grammar finishes it
-        outputs = [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
-        outputs += self.beam_scheduler.step(out, self.executor.beam_logits, self.requests)  # done searches' results
-        for request_id in {seq.request_id for seq in updated}:
-            if self.requests[request_id].is_finished:
+        outputs = [output for after_step in self.seams.after_step for output in after_step(out, updated)]
+        outputs += [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
+        for request_id in {output.request_id for output in outputs}:
+            if request_id in self.requests and self.requests[request_id].is_finished:
                 del self.requests[request_id]
-        if self.config.speculative_config is not None:  # the next step's drafts (docs/speculative.md)
-            propose_drafts(self.scheduler.running, self.config.speculative_config)
-        self.recorder.step(out, updated, self.scheduler)
+        for observe in self.seams.observers:
+            observe(out, list(updated))
         return outputs
 
     def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:
-        """seq's num_new newest tokens (more than 1 with speculative decoding) as text; a stop string in that
+        """seq's num_new newest tokens (more than 1 with lookahead tokens) as text; a stop string in that
         text finishes seq there, and the tokens after it are dropped."""
         start, token_id, params = len(seq.token_ids) - num_new, seq.token_ids[-1], request.sampling_params
         stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
@@ -232,8 +222,9 @@ class EngineCore:
 
     # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
     def run_busy_loop(self, input_queue: queue.Queue, output_queue) -> None:
-        """Take in ("add", request_id, prompt_token_ids, params, priority), ("add_beam", ..., beam params),
-        ("abort", request_id), ("shutdown", None); step while there is work; put each step's outputs on output_queue."""
+        """Take in ("add", request_id, add) (add() queues the request here: engine.add_request with its
+        arguments, or a feature's own), ("abort", request_id), ("shutdown", None); step while there is work;
+        put each step's outputs on output_queue."""
         while True:
             # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
             while not self.has_unfinished_requests() or not input_queue.empty():
@@ -242,9 +233,10 @@ class EngineCore:
                     return
                 if kind == "abort" and self.abort_request(request_id):  # tell whoever waits for it
                     output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, finish_reason="abort")])
-                elif kind in ("add", "add_beam"):
+                elif kind == "add":
+                    add: Callable[[], None] = args[0]
                     try:
-                        (self.add_request if kind == "add" else self.add_beam_request)(request_id, *args)
+                        add()
                     except ValueError as error:  # a bad request: its caller hears why, the others go on
                         output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)])
             try:

@@ -13,13 +13,13 @@ from nanoserve.config import Config
 from nanoserve.engine.persistent_batch import InputBatch, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.accounting import draft_rows
-from nanoserve.engine.structured_output_manager import grammar_bitmask
 from nanoserve.layers.attention import AttentionMetadata
-from nanoserve.layers.sampler import PenaltyMetadata, SamplingMetadata
+from nanoserve.layers.sampler import LogitsProcessor, PenaltyMetadata, SamplingMetadata
 
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
+# A sampling row: (seq, j), seq's next token after its first j lookahead tokens (a verification has 1 + k rows).
+SamplingRow = tuple[Sequence, int]
 
 
 @dataclass
@@ -36,8 +36,8 @@ class ModelInput:
     placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
     placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
-    spec_decode_tokens: dict[int, list[int]]  # seq_id -> drafts: its 1 + k rows are verified (spec_decode/verify.py)
-    beam_rows: list[int]  # logits rows of beam searches, after the sampled ones: raw, to engine/beam_scheduler.py
+    spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
+    raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits), after the sampled ones
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -55,15 +55,17 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # a seam (engine/seams.py)
     batch: InputBatch = field(init=False)  # the rows that persist between steps
 
     def __post_init__(self) -> None:
         self.batch = InputBatch(self.block_size, self.vocab_size)
 
     @classmethod
-    def from_config(cls, config: Config) -> "InputBuilder":
+    def from_config(cls, config: Config, logits_processors: list[LogitsProcessor] | None = None) -> "InputBuilder":
         return cls(block_size=config.block_size, vocab_size=config.hf_config.vocab_size,
-                   eos_token_ids=config.eos_token_ids, device=torch.device(config.device))
+                   eos_token_ids=config.eos_token_ids, device=torch.device(config.device),
+                   logits_processors=[] if logits_processors is None else logits_processors)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
@@ -72,20 +74,22 @@ class InputBuilder:
             return None
         step = self.batch.flatten(out)  # from the rows kept between steps (engine/persistent_batch.py)
         meta = self.attention_metadata(step.block_tables, step.slot_mapping, step.q_lens, step.context_lens)
-        samplers = [s for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
-                    if do_sample and seq.beam_search is None for s in [*draft_rows(seq), *forks]]
+        # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens, one per fork.
+        rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
+                if do_sample and not seq.raw_logits
+                for s, j in [*((seq, j) for j in range(len(seq.spec_token_ids) + 1)), *((f, 0) for f in forks)]]
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
-        logprobs = [(seq, None, row) for row, seq in enumerate(samplers) if seq.logprobs is not None]
+        logprobs = [(seq, None, row) for row, (seq, _) in enumerate(rows) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logits_rows = step.logits_rows.tolist() + step.beam_rows.tolist()  # a beam's: scored raw, nothing drawn
+        logits_rows = step.logits_rows.tolist() + step.raw_rows.tolist()  # raw rows: scored, nothing drawn
         logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows))]
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
             meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
-            sampling=self.prepare_sampling(samplers, step), sample_seq_ids=[s.seq_id for s in samplers],
+            sampling=self.prepare_sampling(rows, step), sample_seq_ids=[seq.seq_id for seq, _ in rows],
             placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, logprobs=logprobs,
             spec_decode_tokens=out.scheduled_spec_decode_tokens,
-            beam_rows=list(range(len(step.logits_rows), len(logits_rows))))
+            raw_rows=list(range(len(step.logits_rows), len(logits_rows))))
 
     def attention_metadata(self, block_tables: np.ndarray | list[list[int]], slot_mapping: np.ndarray | list[int],
                            q_lens: np.ndarray | list[int], context_lens: np.ndarray | list[int]) -> AttentionMetadata:
@@ -99,8 +103,9 @@ class InputBuilder:
             cu_seqlens_k=self._tensor(np.append(0, np.cumsum(context_lens)), torch.int32),
             max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()))
 
-    def prepare_sampling(self, seqs: list[Sequence], step: StepArrays) -> SamplingMetadata:
-        """The sampler's inputs, one row per sequence that samples; an option no row uses is None."""
+    def prepare_sampling(self, rows: list[SamplingRow], step: StepArrays) -> SamplingMetadata:
+        """The sampler's inputs, one row per sampling row; an option no row uses is None. Row (seq, j) counts seq's
+        first j lookahead tokens as output already (penalties, min_tokens)."""
         def column(name: str, dtype: torch.dtype) -> torch.Tensor | None:
             values = step.column(name)
             return None if values is None else self._tensor(values, dtype)
@@ -108,33 +113,33 @@ class InputBuilder:
         penalties = None
         if any(step.column(name) is not None for name in PENALTIES):
             penalties = PenaltyMetadata(
-                prompt_token_ids=self._padded([seq.prompt_token_ids for seq in seqs], self.vocab_size),
-                output_token_ids=self._padded([seq.completion_token_ids + [-1] * seq.num_outputs_in_flight
-                                               for seq in seqs], self.vocab_size),
+                prompt_token_ids=self._padded([seq.prompt_token_ids for seq, _ in rows], self.vocab_size),
+                output_token_ids=self._padded([seq.completion_token_ids + seq.spec_token_ids[:j]
+                                               + [-1] * seq.num_outputs_in_flight for seq, j in rows], self.vocab_size),
                 presence_penalties=self._tensor(step.values("presence_penalty"), torch.float32),
                 frequency_penalties=self._tensor(step.values("frequency_penalty"), torch.float32),
                 repetition_penalties=self._tensor(step.values("repetition_penalty"), torch.float32))
-        bitmask = grammar_bitmask(seqs, self.vocab_size)
+        processors = [(p, state) for p in self.logits_processors if (state := p.prepare(rows)) is not None]
         return SamplingMetadata(
             temperatures=column("temperature", torch.float32), top_ks=column("top_k", torch.int64),
             top_ps=column("top_p", torch.float32), min_ps=column("min_p", torch.float32),
-            generators=[seq.generator for seq in seqs],
+            generators=[seq.generator for seq, _ in rows],
             penalties=penalties,
-            min_tokens_mask=None if step.column("min_tokens") is None else self.min_tokens_mask(seqs),
-            grammar_bitmask=None if bitmask is None else self._tensor(bitmask, torch.int32),
+            min_tokens_mask=None if step.column("min_tokens") is None else self.min_tokens_mask(rows),
+            logits_processors=processors,
         )
 
-    def min_tokens_mask(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def min_tokens_mask(self, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids) the sampler rules out: EOS and the stop tokens, for a request that has fewer than
         min_tokens output tokens before this one (vLLM's MinTokensLogitsProcessor)."""
-        rows, token_ids = [], []
-        for row, seq in enumerate(seqs):
+        masked, token_ids = [], []
+        for row, (seq, j) in enumerate(rows):
             p = seq.sampling_params
-            if seq.num_completion_tokens + seq.num_outputs_in_flight < p.min_tokens:
+            if seq.num_completion_tokens + j + seq.num_outputs_in_flight < p.min_tokens:
                 stop_ids = p.stop_token_ids + ([] if p.ignore_eos else self.eos_token_ids)
-                rows += [row] * len(stop_ids)
+                masked += [row] * len(stop_ids)
                 token_ids += stop_ids
-        return (self._tensor(rows, torch.int64), self._tensor(token_ids, torch.int64)) if rows else None
+        return (self._tensor(masked, torch.int64), self._tensor(token_ids, torch.int64)) if masked else None
 
     def prompt_logprobs_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
         """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of

@@ -5,8 +5,8 @@ from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs
 from nanoserve.engine.input_batch import InputBuilder, LogprobsPlace, ModelInput, to_device
 from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.verify import verify
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
 from nanoserve.layers.elementwise_backend import use_elementwise_backend
 from nanoserve.layers.sampler import Sampler, compute_logprobs
@@ -19,17 +19,18 @@ from nanoserve.utils.memory import keep_freed_memory
 
 class ModelRunner:
     """One rank's model and KV cache: runs a batch's forward, and on rank 0 samples from its logits. Every rank
-    of a tensor-parallel engine has one (engine/executor.py starts them and sends each step to all)."""
+    of a tensor-parallel engine has one (nanoserve/parallel/executor.py starts them and sends each step to all)."""
 
-    def __init__(self, config: Config, rank: int = 0):
-        """The model with this rank's weights, the KV cache (sized from memory), the CUDA graphs."""
+    def __init__(self, config: Config, rank: int = 0, seams: Seams | None = None, model_class: type | None = None):
+        """The model with this rank's weights, the KV cache (sized from memory), the CUDA graphs. seams: the
+        engine's (its `sample` replaces the draw); model_class: a pipeline stage's part of the model instead."""
         self.config, self.rank = config, rank
         self.device = torch.device(config.device)
         self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()  # reuse activation memory across steps instead of page-faulting it in
         torch.manual_seed(config.seed)
-        self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device)
+        self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device, model_class)
         # Speculative decoding's draft model (spec_decode/draft_model_proposer.py): its layers are more layers
         # of the same KV cache, so its KV shares the target's blocks and block tables.
         self.draft_model = None if config.draft_hf_config is None else load_model(
@@ -38,6 +39,7 @@ class ModelRunner:
         for model in models:  # RMSNorm, SwiGLU and RoPE as config.elementwise_backend says
             use_elementwise_backend(model, config.elementwise_backend)
         self.sampler = Sampler()
+        self.seams = Seams() if seams is None else seams
         self.attn_layers = [m for model in models for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
@@ -162,14 +164,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """A token id per sampling row (layers/sampler.py tells which), as a device tensor; kept for the next
-        step's placeholders. The logprobs asked for are recorded on their sequences."""
-        if inputs.spec_decode_tokens:  # speculative decoding: verify drafts (docs/speculative.md)
-            return verify(self, logits, inputs)
+        """A token id per sampling row, as a device tensor, kept for the next step's placeholders (async
+        scheduling). The logprobs asked for are recorded on their sequences."""
+        verify = self.seams.sample  # the seam: speculative decoding's verification instead of a draw
+        sampled = self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
+        self.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
+        return sampled
+
+    def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
+        """The sampler's token for each sampling row (layers/sampler.py tells which)."""
         num_rows = len(inputs.sample_seq_ids)
         newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None
         sampled = self.sampler(logits[:num_rows], inputs.sampling, newest)
-        self.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
         if inputs.logprobs:
             self.record_logprobs(logits, sampled.tolist(), inputs.logprobs)
         return sampled

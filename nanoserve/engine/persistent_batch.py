@@ -30,7 +30,7 @@ class StepArrays:
     q_lens: np.ndarray  # the tokens each sequence computes
     context_lens: np.ndarray
     logits_rows: np.ndarray  # per sampling row: its newest token's row (drafts: each draft's; forks: repeated)
-    beam_rows: np.ndarray  # the same for beam searches' sequences, whose logits are scored raw, nothing drawn
+    raw_rows: np.ndarray  # the same for sequences whose request picks its own tokens (raw_logits): nothing drawn
     params: np.ndarray  # per sampling row, its sampling parameters (a column per key of PARAMS)
     used: np.ndarray  # per key of PARAMS: does any sampling row use it (a value other than "unused")
     placeholder_rows: list[int]  # rows whose token the step before is still sampling (async scheduling)...
@@ -96,13 +96,13 @@ class InputBatch:
         sampler = np.repeat(np.arange(n), counts)
         j = np.arange(len(sampler)) - (np.cumsum(counts) - counts)[sampler]
         logits_rows = (cu_q + q_lens - 1 - num_drafts)[sampler] + np.minimum(j, num_drafts[sampler])
-        beams = np.array([seq.beam_search is not None for seq in out.seqs], bool)[sampler]
-        context_lens, params = starts + q_lens, self.params[rows[sampler[~beams]]]
+        raw = np.array([seq.raw_logits for seq in out.seqs], bool)[sampler]
+        context_lens, params = starts + q_lens, self.params[rows[sampler[~raw]]]
         return StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
             context_lens=context_lens,
-            logits_rows=logits_rows[~beams], beam_rows=logits_rows[beams],
+            logits_rows=logits_rows[~raw], raw_rows=logits_rows[raw],
             params=params, used=(params != self.unused).any(axis=0),
             placeholder_rows=placeholders.tolist(),
             placeholder_seq_ids=[out.seqs[i].seq_id for i in owner[placeholders].tolist()])

@@ -1,6 +1,12 @@
 from dataclasses import dataclass, field
 
+import torch
+
 from nanoserve.engine.sequence import Sequence
+from nanoserve.speculative_config import SpecDecodingStats
+
+# A verification row past a request's emitted run: the sampler emitted nothing there (speculative decoding).
+PLACEHOLDER_TOKEN_ID = -1
 
 
 @dataclass
@@ -23,11 +29,12 @@ class SchedulerOutput:
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
-    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> drafts verified
-    # What the step's output did, written as it is taken in, for the step's record (engine/trace.py):
-    num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> how many of its drafts passed
-    forked_beams: list[tuple[int, int]] = field(default_factory=list)  # (new beam, the beam it forked from)
-    dropped_beams: list[int] = field(default_factory=list)  # beams without a child: their blocks freed
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
+    # What the step's output did, written as it is taken in, for the step's record (nanoserve/step_records.py):
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> how many lookahead tokens passed
+    raw_logits: torch.Tensor | None = None  # the logits rows of sequences with raw_logits (beam search), in order
+    forked_beams: list[tuple[int, int]] = field(default_factory=list)  # beam search: (new beam, its parent)
+    dropped_beams: list[int] = field(default_factory=list)  # beam search: beams without a child, freed
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
@@ -38,7 +45,7 @@ class SchedulerOutput:
         # fork from this one with theirs.
         prompt_done = self.do_sample[-1] and seq.num_computed_tokens + num_tokens == seq.num_prompt_tokens
         self.forks.append(seq.group[1:] if prompt_done else [])
-        if seq.spec_token_ids:  # speculative decoding: its newest token and these drafts, 1 + k in all
+        if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
             self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def is_decode(self, i: int) -> bool:
@@ -47,3 +54,21 @@ class SchedulerOutput:
         seq = self.seqs[i]
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, []))
         return self.num_scheduled_tokens[i] == 1 + num_drafts and self.num_computed_tokens[i] >= seq.num_prompt_tokens
+
+
+@dataclass
+class SchedulerStats:
+    """Counters a student can watch: `llm.stats` (docs/scheduling.md shows them at work)."""
+
+    num_steps: int = 0
+    num_prefill_steps: int = 0  # steps that compute prompt tokens, alone or (chunked prefill) mixed with decodes
+    num_preemptions: int = 0  # recomputed or swapped out
+    num_prompt_tokens: int = 0  # tokens admitted by prefills, cached or not (a preempted request counts again)
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache instead of computed
+    num_generated_tokens: int = 0
+    num_chunked_prefills: int = 0  # prompt chunks that stopped short of the prompt's end (so sampled nothing)
+    num_mixed_steps: int = 0  # steps whose batch mixed prefill work with decodes (chunked prefill)
+    num_priority_preemptions: int = 0  # running requests evicted for a more urgent waiting one (priority policy)
+    num_swapped_out: int = 0  # preemptions that moved the KV to host memory (the others recompute)
+    num_swapped_in: int = 0  # swapped-out requests whose KV was copied back
+    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # lookahead tokens verified

@@ -1,7 +1,15 @@
+"""A request and its sequences, the units the scheduler moves: a `Sequence` (tokens, status, block_table,
+num_computed_tokens), a `Request` (its n sequences, their detokenizers), and the `RequestQueue`s they wait in
+(vLLM's request_queue.py: in arrival order, or sorted by priority)."""
+import bisect
+from collections import deque
+from collections.abc import Iterator
 from enum import Enum, auto
+from time import monotonic
 
 import torch
 
+from nanoserve.engine.output_processor import IncrementalDetokenizer
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
@@ -15,7 +23,7 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    """One sequence of a request (engine/request.py; n > 1 gives it several): its tokens, where their KV
+    """One sequence of a request (Request, below; n > 1 gives it several): its tokens, where their KV
     lives, and how far the model has got. The scheduler and the model runner see only sequences."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
@@ -36,10 +44,12 @@ class Sequence:
         # Async scheduling: tokens a step in flight is sampling, not yet known. They count in len(seq), so the
         # next step is planned (blocks, positions) as if they were there (vLLM's num_output_placeholders).
         self.num_output_placeholders = 0
-        self.spec_token_ids: list[int] = []  # draft tokens the next step verifies (docs/speculative.md)
+        # Lookahead tokens (seed 001's lookahead slots): guesses the next step computes after the newest token and
+        # keeps only as far as they are verified. Speculative decoding's drafts (nanoserve/spec_decode/) fill them.
+        self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.beam_search = None  # the BeamSearch (engine/beam_search.py) this sequence is a live beam of
-        self.grammar = None  # structured outputs: its GrammarMatcher (engine/structured_output_manager.py)
+        self.raw_logits = False  # its request picks its own tokens from the raw logits (beam search): none is drawn
+        self.grammar = None  # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         # Filled by the model runner when asked for: one dict per generated token, one per prompt token.
@@ -48,6 +58,8 @@ class Sequence:
             None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
+        """The tokens the scheduler plans for (vLLM's num_tokens_with_spec): the known ones, the placeholders of
+        those in flight, and the lookahead tokens. A step computes from num_computed_tokens up to here."""
         return len(self.token_ids) + self.num_output_placeholders + len(self.spec_token_ids)
 
     @property
@@ -82,3 +94,70 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+
+
+class Request:
+    """One request (vLLM's name): its prompt, sampling params, priority and arrival time, and its n sequences
+    (SamplingParams.n), each with its detokenizer. EngineCore keeps them by request id; the scheduler sees
+    only the sequences (`seq.group` is `request.seqs`)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
+                 block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.priority = priority
+        self.arrival_time = monotonic()
+        self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i)
+                     for i in range(sampling_params.n)]
+        for seq in self.seqs:
+            seq.group = self.seqs
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, sampling_params) if tokenizer else None
+                             for _ in self.seqs]
+
+    @property
+    def first_seq(self) -> Sequence:
+        """The sequence that prefills the prompt for all n (the others fork from it): the scheduler gets this
+        one; its cache hits and prompt logprobs are the request's."""
+        return self.seqs[0]
+
+    @property
+    def is_finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+def num_seats(seq: Sequence) -> int:
+    """The max_num_seqs seats a sequence takes: n for a request's first one until its prompt is done (the
+    others fork from it then), else 1."""
+    return seq.sampling_params.n if seq.num_completion_tokens == 0 else 1
+
+
+def priority_key(seq: Sequence) -> tuple[int, int]:
+    """Lower priority value first; ties by arrival (seq ids count up in arrival order)."""
+    return seq.priority, seq.seq_id
+
+
+class RequestQueue(deque):
+    """waiting, running or swapped (vLLM's request_queue.py). FCFS: arrival order, a preempted request back at
+    the front. Priority: sorted by (priority, arrival), so the head is the most urgent and the tail of running
+    the first to give its blocks up."""
+
+    def __init__(self, policy: str = "fcfs"):
+        super().__init__()
+        self.by_priority = policy == "priority"
+
+    def add(self, seq: Sequence, front: bool = False) -> None:
+        if self.by_priority:
+            bisect.insort(self, seq, key=priority_key)
+        elif front:
+            self.appendleft(seq)
+        else:
+            self.append(seq)
+
+    def pop_group(self) -> list[Sequence]:
+        """The head with the other sequences of its request in this queue (n > 1), taken out together."""
+        seq = self.popleft()
+        group = [seq] + [s for s in seq.group if s is not seq and s in self]
+        for s in group[1:]:
+            self.remove(s)
+        return group

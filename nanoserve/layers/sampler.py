@@ -2,11 +2,12 @@
 
 The engine builds a SamplingMetadata on the host (engine/input_batch.py); the sampler applies all of it, in
 vLLM's order: tokens ruled out, penalties, then greedy where temperature is 0, else temperature, min_p,
-top-k, top-p and a draw. Each is one tensor op over the whole batch. Two features plug in at named places:
-a grammar's mask of allowed tokens (structured outputs) joins `rule_out`; speculative decoding's
-verification of draft tokens takes the place of `draw`.
+top-k, top-p and a draw. Each is one tensor op over the whole batch. Features plug in at two seams
+(engine/seams.py): logits processors join `rule_out` (structured outputs' grammar masks), and speculative
+decoding's verification of draft tokens takes the place of `draw`.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -23,6 +24,16 @@ class PenaltyMetadata:
     repetition_penalties: torch.Tensor
 
 
+class LogitsProcessor(Protocol):
+    """A seam (engine/seams.py): a feature that rules tokens out of the rows the sampler draws from. Once per step,
+    on the host, `prepare` gets the sampling rows ((sequence, j): its next token after j lookahead tokens) and
+    returns its state for them, or None when no row is its; the sampler then calls `apply` in order."""
+
+    def prepare(self, rows: list[tuple[Any, int]]) -> Any | None: ...
+
+    def apply(self, logits: torch.Tensor, state: Any) -> torch.Tensor: ...
+
+
 @dataclass
 class SamplingMetadata:
     """One row per sequence that samples. None for an option: no row uses it (temperatures None: every row is
@@ -35,7 +46,7 @@ class SamplingMetadata:
     generators: list[torch.Generator | None]  # a seeded request draws its own reproducible noise
     penalties: PenaltyMetadata | None = None
     min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): EOS, stop tokens
-    grammar_bitmask: torch.Tensor | None = None  # int32 [rows, vocab / 32]: bit t % 32 of word t // 32 allows t
+    logits_processors: list[tuple[LogitsProcessor, Any]] = field(default_factory=list)  # (processor, its state)
 
 
 class Sampler(nn.Module):
@@ -67,12 +78,10 @@ class Sampler(nn.Module):
 
 
 def rule_out(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
-    """Set to -inf the tokens a row may not sample: EOS and the stop tokens before min_tokens (vLLM's
-    MinTokensLogitsProcessor), and those a row's grammar does not allow next (structured outputs)."""
-    if sampling.grammar_bitmask is not None:  # unpack the bits: column t is bit t % 32 of word t // 32
-        bits = sampling.grammar_bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)
-        allowed = (bits & 1).flatten(1)[:, : logits.shape[1]].bool()
-        logits = logits.masked_fill(~allowed, float("-inf"))
+    """Set to -inf the tokens a row may not sample: those the logits processors rule out (a grammar's), and EOS
+    and the stop tokens before min_tokens (vLLM's MinTokensLogitsProcessor)."""
+    for processor, state in sampling.logits_processors:
+        logits = processor.apply(logits, state)
     if sampling.min_tokens_mask is None:
         return logits
     return logits.index_put(sampling.min_tokens_mask, logits.new_tensor(float("-inf")))
@@ -109,7 +118,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor | None, top_ps:
 
 def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One sample per row. Speculative decoding verifies its draft tokens against probs instead
-    (engine/spec_decode/verify.py: accept each with min(1, p / q), else draw from the residual)."""
+    (spec_decode/verify.py: accept each with min(1, p / q), else draw from the residual)."""
     # Gumbel-max trick: argmax(p / Exp(1) noise) is a sample from p, with no sync for multinomial.
     noise = torch.empty_like(probs).exponential_()
     for i, generator in enumerate(generators):

@@ -2,6 +2,7 @@
 
 Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither.
 """
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,14 @@ from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, tp_rank_size
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
-from nanoserve.models.pipeline import Stage
+
+# part(name, build) -> the model's part `name` ("embed_tokens", "layers.3", "norm", "lm_head"): build() here; a
+# pipeline stage builds only its own (nanoserve/parallel/pipeline.py), a seam of the model's constructor.
+Part = Callable[[str, Callable[[], nn.Module]], nn.Module]
+
+
+def build_all(name: str, build: Callable[[], nn.Module]) -> nn.Module:
+    return build()
 
 
 @dataclass(frozen=True)
@@ -102,20 +110,20 @@ class DecoderLayer(nn.Module):
 
 
 class Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: Variant):
+    def __init__(self, config: PretrainedConfig, variant: Variant, part: Part = build_all):
         super().__init__()
-        self.stage = stage = Stage.of(config.num_hidden_layers, config.hidden_size)  # pipeline: this rank's part
-        self.embed_tokens = stage.first(lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
+        self.embed_tokens = part("embed_tokens", lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
-        self.layers = stage.layers(config.num_hidden_layers, lambda: DecoderLayer(config, variant, rotary_emb))
-        self.norm = stage.last(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
+        self.layers = nn.ModuleList([part(f"layers.{i}", lambda: DecoderLayer(config, variant, rotary_emb))
+                                     for i in range(config.num_hidden_layers)])
+        self.norm = part("norm", lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self.stage.receive_or_embed(self.embed_tokens, input_ids)  # from the previous stage, if any
-        for layer in self.layers[self.stage.start : self.stage.end]:
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
             x, residual = layer(positions, x, residual, meta)
-        return self.stage.send_or_norm(self.norm, x, residual)  # None on a stage short of the last
+        return self.norm(x, residual)[0]
 
 
 class Qwen3ForCausalLM(nn.Module):
@@ -125,17 +133,18 @@ class Qwen3ForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: PretrainedConfig, variant: Variant = ARCHITECTURES["Qwen3ForCausalLM"]):
+    def __init__(self, config: PretrainedConfig, variant: Variant = ARCHITECTURES["Qwen3ForCausalLM"],
+                 part: Part = build_all):
         super().__init__()
         if getattr(config, "use_sliding_window", False):
             raise ValueError("use_sliding_window=True is not supported")
-        self.model = Model(config, variant)
-        self.lm_head = self.model.stage.last(lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
-        if config.tie_word_embeddings and self.model.stage.size == 1:  # small models share the input and output
-            self.lm_head.weight = self.model.embed_tokens.weight  # embedding (with stages: utils/loader.py)
+        self.model = Model(config, variant, part)
+        self.lm_head = part("lm_head", lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
+        if config.tie_word_embeddings:  # small models share the input and output embedding
+            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, meta)
 
-    def compute_logits(self, hidden: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:  # None: a worker
-        return self.model.stage.logits(self.lm_head, hidden, rows)
+    def compute_logits(self, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor | None:  # None: a TP worker
+        return self.lm_head(hidden[rows])

@@ -1,6 +1,6 @@
 """`nanoserve serve --dashboard`: the engine at work, live, for a workshop's projector (GET /dashboard).
 
-The engine thread hands each step's record (engine/trace.py) to a `StepStream`, one of the engine core's step
+The engine thread hands each step's record (step_records.py) to a `StepStream`, one of the engine core's step
 listeners. It turns the record into the page's JSON and keeps the last `max_records` of them in a bounded buffer,
 the oldest dropped; every `interval` seconds, and when the engine falls idle (after a step or an abort), it also
 reads the KV pools block by block and the queues with each request's progress, there in the engine thread, where
@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 
 from nanoserve.config import Config
-from nanoserve.engine.trace import StepReader, StepRecord, StepView
 from nanoserve.serving.protocol import APIError
+from nanoserve.step_records import StepReader, StepRecord, StepView, step_recorder
 
 PAGE = Path(__file__).with_name("dashboard.html")
 COOKIE = "nanoserve_api_key"
@@ -168,7 +168,7 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
     core = engine.engine_core
     stream = StepStream(core)
     stream.engine = stream.read_engine()  # the server takes no request yet: the engine thread is idle
-    core.recorder.listeners.append(stream.record)
+    step_recorder(core).listeners.append(stream.record)
     config = page_config(core.config, model_name)
     page = PAGE.read_text()
 

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure  # a bare Figure draws with Agg: no GUI bac
 from matplotlib.patches import Patch, Rectangle
 
 from nanoserve import LLM, BeamSearchParams
-from nanoserve.engine.trace import StepRecord
+from nanoserve.step_records import StepRecord
 
 HOLDERS = ["#f0f0f0", "#9ecae1", "#4292c6", "#08519c", "#08306b"]  # held by 1, 2, 3, 4, 5+ beams
 COPY = "#e69f00"  # a block copy-on-write filled this step (Okabe-Ito orange)

@@ -17,7 +17,7 @@ from matplotlib.figure import Figure  # a bare Figure draws with Agg: no GUI bac
 from matplotlib.patches import Patch, Rectangle
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.trace import StepReader, StepRecord
+from nanoserve.step_records import StepReader, StepRecord
 
 # ---- each request's state in each step -------------------------------------------------------------------
 # Okabe-Ito colours, which colour-blind readers can tell apart; the two preempted states are hatched too.

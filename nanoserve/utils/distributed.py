@@ -2,7 +2,7 @@
 in one torch.distributed group: global rank r is stage r // T, tensor-parallel rank r % T (rank 0 schedules).
 
 The layers all-reduce within their stage's group (tp_group); a stage hands its activations to the rank with the
-same tensor-parallel rank in the next stage (models/pipeline.py). With no process group: one rank, one stage.
+same tensor-parallel rank in the next stage (parallel/pipeline.py). With no process group: one rank, one stage.
 """
 import torch.distributed as dist
 

@@ -19,7 +19,7 @@ def load_weights(model: nn.Module, path: str) -> None:
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
-    # A pipeline stage holds only its own parts (models/pipeline.py): the others' tensors are skipped. A tied
+    # A pipeline stage holds only its own parts (parallel/pipeline.py): the others' tensors are skipped. A tied
     # LM head is embed_tokens (one parameter, listed once), or, on a last stage without the embedding, its copy.
     params = dict(model.named_parameters())
     names = {name for file in files for name in safe_open(file, "pt", "cpu").keys()}

@@ -6,13 +6,17 @@ skips the checkpoint's tensors for it). A forward on stage i > 0 starts from the
 stage i - 1 sends (point-to-point, rank to the rank with the same tensor-parallel rank), and a stage short of
 the last sends its own on. The last stage's logits go to rank 0, which samples (`receive_logits`).
 """
+import copy
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from transformers import PretrainedConfig
 
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.models.qwen3 import Qwen3ForCausalLM, Variant
 from nanoserve.utils.distributed import pp_rank_size, tp_rank_size
 
 
@@ -49,15 +53,14 @@ class Stage:
     def is_last(self) -> bool:
         return self.index == self.size - 1
 
-    def first(self, build: Callable[[], nn.Module]) -> nn.Module:
-        return build() if self.is_first else Missing()
-
-    def last(self, build: Callable[[], nn.Module]) -> nn.Module:
-        return build() if self.is_last else Missing()
-
-    def layers(self, num_layers: int, build: Callable[[], nn.Module]) -> nn.ModuleList:
-        """All the layers' slots (checkpoint names keep their index), this stage's built."""
-        return nn.ModuleList([build() if self.start <= i < self.end else Missing() for i in range(num_layers)])
+    def part(self, name: str, build: Callable[[], nn.Module]) -> nn.Module:
+        """The model's part `name` if this stage holds it, else a Missing placeholder (the model's `part` seam):
+        every layer keeps its slot, so checkpoint names keep their index."""
+        if name.startswith("layers."):
+            held = self.start <= int(name.split(".")[1]) < self.end
+        else:
+            held = self.is_first if name == "embed_tokens" else self.is_last  # norm, lm_head
+        return build() if held else Missing()
 
     def peer(self, stage: int) -> int:
         """The global rank of this rank's counterpart in `stage`."""
@@ -102,3 +105,26 @@ def receive_logits(num_rows: int, vocab_size: int, dtype: torch.dtype, device: t
     if num_rows:
         dist.recv(logits, dist.get_world_size() - tp_rank_size()[1])
     return logits
+
+
+class PipelineStageModel(Qwen3ForCausalLM):
+    """One stage's part of the model (built through the core model's `part` seam): its forward starts from what
+    the previous stage sends, and sends on what the next needs; the last stage's logits go to rank 0."""
+
+    def __init__(self, config: PretrainedConfig, variant: Variant):
+        stage = Stage.of(config.num_hidden_layers, config.hidden_size)
+        if stage.size > 1:  # a tied head is a copy of the embedding on the last stage (utils/loader.py)
+            config = copy.copy(config)
+            config.tie_word_embeddings = False
+        super().__init__(config, variant, part=stage.part)
+        self.stage = stage
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        model, stage = self.model, self.stage
+        x, residual = stage.receive_or_embed(model.embed_tokens, input_ids)  # from the previous stage, if any
+        for layer in model.layers[stage.start : stage.end]:
+            x, residual = layer(positions, x, residual, meta)
+        return stage.send_or_norm(model.norm, x, residual)  # None on a stage short of the last
+
+    def compute_logits(self, hidden: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor | None:
+        return self.stage.logits(self.lm_head, hidden, rows)

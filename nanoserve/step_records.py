@@ -1,10 +1,12 @@
 """Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the queues and
-the KV pool after it. `nanoserve/tools/trace.py` prints and plots them; the server's dashboard
-(`nanoserve serve --dashboard`) streams them. With neither on, nothing here runs."""
+the KV pool after it. A StepRecorder is an observer (the engine's last seam, engine/seams.py).
+`nanoserve/tools/trace.py` prints and plots them; the server's dashboard (`nanoserve serve --dashboard`) streams
+them. With neither on, nothing here runs."""
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from time import perf_counter
 
+from nanoserve.engine.core import EngineCore
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -104,19 +106,23 @@ class StepView:
 
 
 class StepRecorder:
-    """Who gets each step's record: `LLM(..., trace=True)` keeps them all in `trace`; each listener (`nanoserve
-    serve --dashboard`) gets it then and there, in the engine's thread, and None when an abort changed the queues
-    and blocks between steps. With no trace and no listener, no record is made."""
+    """An engine's observer that records each step: `LLM(..., trace=True)` keeps them all in `trace`; each listener
+    (`nanoserve serve --dashboard`) gets it then and there, in the engine's thread, and None when an abort changed
+    the queues and blocks between steps. With no trace and no listener, no record is made."""
 
-    def __init__(self, keep: bool):
+    def __init__(self, scheduler: Scheduler, keep: bool):
+        self.scheduler = scheduler
         self.trace: list[StepRecord] | None = [] if keep else None
         self.listeners: list[Callable[[StepRecord | None], None]] = []
         self.num_steps = 0
 
-    def step(self, out: SchedulerOutput, updated: Iterable[Sequence], scheduler: Scheduler) -> None:
+    def __call__(self, out: SchedulerOutput | None, updated: Iterable[Sequence]) -> None:
+        if out is None:  # an abort, between steps
+            self.notify(None)
+            return
         if self.trace is None and not self.listeners:
             return
-        record = record_step(self.num_steps, out, list(updated), scheduler)
+        record = record_step(self.num_steps, out, list(updated), self.scheduler)
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append(record)
@@ -170,3 +176,13 @@ class StepReader:
         self.recomputing &= keep
         self.computed = {seq_id: n for seq_id, n in self.computed.items() if seq_id in keep}
         return StepView(states, labels, hits, spec)
+
+
+def step_recorder(engine: EngineCore, keep: bool = False) -> StepRecorder:
+    """The engine's StepRecorder (among its observers), plugged in now if it has none."""
+    for observer in engine.seams.observers:
+        if isinstance(observer, StepRecorder):
+            return observer
+    recorder = StepRecorder(engine.scheduler, keep)
+    engine.seams.observers.append(recorder)
+    return recorder

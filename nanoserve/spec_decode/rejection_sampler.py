@@ -14,7 +14,7 @@ output distribution. N-gram drafts have no distribution: q_j is all mass on d_j 
 import torch
 from torch import nn
 
-PLACEHOLDER_TOKEN_ID = -1  # output columns past a request's emitted tokens (vLLM's value)
+from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID
 
 
 class RejectionSampler(nn.Module):

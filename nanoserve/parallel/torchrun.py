@@ -7,7 +7,7 @@ builds the same Config; in the Executor they part ways: rank 0 goes on to run th
 other rank builds its part of the model and serves as a worker (executor.run_worker) until rank 0 closes its
 connection, then exits.
 
-Steps travel as they do to spawned workers (engine/executor.py), over a TCP connection per worker instead of a
+Steps travel as they do to spawned workers (parallel/executor.py), over a TCP connection per worker instead of a
 pipe: multiprocessing.connection gives both the same send_bytes/recv_bytes. Rank 0 listens on MASTER_ADDR at a free
 port, which a broadcast tells the others once the group has met. The ranks trust one another and their network,
 as torch.distributed does: keep them on a private network.

@@ -1,22 +1,21 @@
 """Beam search in the engine (LLM.beam_search): a request's live beams are one sequence group, as in early vLLM.
 
-The model runner gives each live beam's raw next-token logits (ModelInput.beam_rows); engine/beam_search.py's
-BeamSearch.step says who goes on from whom, and `BeamScheduler.step` acts that out on the blocks, in order:
+Its beams have raw_logits: nothing is drawn for them, and the executor hands their logits rows back with the plan
+(`out.raw_logits`). search.py's BeamSearch.step says who goes on from whom, and `BeamScheduler.step` (the
+after_step seam, plugged in with the first beam search) acts that out on the blocks, in order:
 free the beams that have no child, fork a parent with several children (the child shares every block: one
 more reference each), then append each child's token. The next schedule's `may_append` splits a shared,
 partly filled last block (copy-on-write) only for a beam that writes into it. docs/beam_search.md draws it.
 """
 from collections.abc import Iterator
 
-import torch
-
+from nanoserve.beam_search.search import BeamChild, BeamSearch, Hypothesis
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
-from nanoserve.engine.beam_search import BeamChild, BeamSearch, Hypothesis
-from nanoserve.engine.request import EngineCoreOutput, Request
-from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler_output import SchedulerOutput
-from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
 
 
@@ -43,16 +42,32 @@ class BeamRequest(Request):
         self.search = BeamSearch(self.params, self.eos_token_ids)
         first = Sequence(next(self.seq_ids), self.prompt_token_ids, self.sampling_params,
                          self.seqs[0].block_size, request_id=self.request_id)
-        first.beam_search = self.search
+        first.raw_logits = True  # the search picks its tokens: nothing is drawn for a beam
         self.seqs[:] = [first]
         first.group = self.seqs
 
 
 class BeamScheduler:
-    """Checks beam requests and takes in each step's beam rows (EngineCore calls it after Scheduler.postprocess)."""
+    """Checks and adds beam requests, and takes in each step's beam rows (the after_step seam)."""
 
-    def __init__(self, config: Config, scheduler: Scheduler, tokenizer=None):
-        self.config, self.scheduler, self.tokenizer = config, scheduler, tokenizer
+    def __init__(self, engine: EngineCore):
+        self.engine, self.config, self.scheduler = engine, engine.config, engine.scheduler
+
+    @classmethod
+    def plug_in(cls, engine: EngineCore) -> "BeamScheduler":
+        beams = cls(engine)
+        engine.seams.after_step.append(beams.step)
+        return beams
+
+    def check_request(self, token_ids: list[int], params: BeamSearchParams) -> None:
+        """The limits of beam search itself, then the prompt and the KV blocks of beam_width sequences."""
+        self.check(params)
+        self.engine.check_request(token_ids, beam_sampling_params(params))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+        """A beam search: its beams are one sequence group."""
+        self.check_request(prompt_token_ids, params)
+        self.engine.add(BeamRequest(request_id, prompt_token_ids, params, self.config, self.engine.seq_ids))
 
     def check(self, params: BeamSearchParams) -> None:
         """The limits of beam search itself (EngineCore.check_request checks the prompt and the KV pool)."""
@@ -73,12 +88,14 @@ class BeamScheduler:
             raise ValueError(f"beam_width ({params.beam_width}): each step ranks {search.num_candidates} "
                              f"candidates, more than the vocabulary's {vocab_size} tokens")
 
-    def step(self, out: SchedulerOutput, logits: torch.Tensor, requests: dict[str, Request]) -> list[EngineCoreOutput]:
-        """Take in a step's beam rows (logits: one row per beam that sampled, in batch order). A request whose
-        search is done leaves `requests`, its beams freed; it returns its hypotheses, best first, as outputs."""
-        for request in {requests[s.request_id]: None for s in out.preempted if s.beam_search is not None}:
+    def step(self, out: SchedulerOutput, updated: dict[Sequence, int]) -> list[EngineCoreOutput]:
+        """Take in a step's beam rows (out.raw_logits: one row per beam that sampled, in batch order). A request
+        whose search is done has all its beams freed (the engine then drops it); it returns its hypotheses, best
+        first, as outputs."""
+        requests, logits = self.engine.requests, out.raw_logits
+        for request in {requests[s.request_id]: None for s in out.preempted if s.raw_logits}:
             self._restart_if_recomputed(request)
-        beam_seqs = [s for s, do_sample in zip(out.seqs, out.do_sample) if do_sample and s.beam_search is not None]
+        beam_seqs = [s for s, do_sample in zip(out.seqs, out.do_sample) if do_sample and s.raw_logits]
         row_of = {s.seq_id: row for row, s in enumerate(beam_seqs)}
         outputs = []
         for request in {requests[s.request_id]: None for s in beam_seqs if not s.is_finished}:
@@ -91,12 +108,14 @@ class BeamScheduler:
             result = request.search.step(logits[[row_of[s.seq_id] for s in request.seqs]])
             self._act_out(request, result.children, result.dropped, out)
             if result.done:
-                del requests[request.request_id]
+                for seq in request.seqs:
+                    self.scheduler.finish(seq)
                 outputs += [self._output(request, i, h) for i, h in enumerate(request.search.hypotheses)]
         return outputs
 
     def _output(self, request: BeamRequest, index: int, hypothesis: Hypothesis) -> EngineCoreOutput:
-        text = self.tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True) if self.tokenizer else ""
+        tokenizer = self.engine.tokenizer
+        text = tokenizer.decode(hypothesis.token_ids, skip_special_tokens=True) if tokenizer else ""
         return EngineCoreOutput(request.request_id, hypothesis.token_ids, new_text=text, finished=True,
                                 finish_reason=hypothesis.finish_reason, num_cached_tokens=request.num_cached_tokens,
                                 index=index, cumulative_logprob=hypothesis.cumulative_logprob)
@@ -104,7 +123,7 @@ class BeamScheduler:
     def _act_out(self, request: BeamRequest, children: list[BeamChild], dropped: list[int],
                  out: SchedulerOutput) -> None:
         """Free the dropped beams, fork the parents of several children (before anyone appends), append. The
-        step's record (engine/trace.py) shows the forks and drops: `out` notes them."""
+        step's record (step_records.py) shows the forks and drops: `out` notes them."""
         parents = list(request.seqs)
         for i in dropped:
             self.scheduler.finish(parents[i])
@@ -124,7 +143,7 @@ class BeamScheduler:
         """A new beam, a copy of parent that shares its blocks, next to it in the running queue."""
         child = Sequence(next(request.seq_ids), parent.token_ids, parent.sampling_params, parent.block_size,
                          parent.priority, parent.request_id)
-        child.beam_search, child.group = parent.beam_search, parent.group
+        child.raw_logits, child.group = True, parent.group
         self.scheduler.block_manager.fork(parent, child)
         child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens
         child.status = SequenceStatus.RUNNING
@@ -141,4 +160,4 @@ class BeamScheduler:
         for seq in request.seqs:
             self.scheduler.finish(seq)
         request.restart()
-        self.scheduler._enqueue(self.scheduler.waiting, request.seqs[0], front=True)
+        self.scheduler.waiting.add(request.seqs[0], front=True)

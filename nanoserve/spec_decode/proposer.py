@@ -3,19 +3,21 @@ from collections.abc import Iterable
 
 import numpy as np
 
+from nanoserve.engine.output_processor import EngineCoreOutput
+from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID
 from nanoserve.engine.sequence import Sequence
-from nanoserve.engine.spec_decode.accounting import num_spec_tokens_allowed
-from nanoserve.engine.spec_decode.ngram_proposer import NgramProposer
-from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from nanoserve.spec_decode.accounting import num_spec_tokens_allowed
+from nanoserve.spec_decode.ngram_proposer import NgramProposer
 from nanoserve.speculative_config import SpeculativeConfig
 
 
-def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> None:
+def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> list[EngineCoreOutput]:
     """After a step: set each running sequence's spec_token_ids for the next one, the drafts it will verify.
     Only a sequence about to decode gets drafts (not one still prefilling its prompt), at most as many as its
     max_tokens leave room for; none at all in a batch past disable_by_batch_size. N-gram lookup proposes them
     here; a draft model only holds their places (PLACEHOLDER_TOKEN_ID): it runs once the next step is
-    scheduled, in the KV slots the scheduler reserved for them (draft_model_proposer.py)."""
+    scheduled, in the KV slots the scheduler reserved for them (draft_model_proposer.py). (The after_step seam:
+it finishes no request, so it returns no output.)"""
     running = list(running)
     ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
     enabled = spec.enabled_for(len(running))
@@ -26,7 +28,7 @@ def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> None
                                     seq.sampling_params.max_tokens)
         # (A beam gets none: its search takes a token a step. A grammar keeps the n-gram drafts it allows; a
         # draft model's drafts are drawn unmasked, so a grammar-constrained request takes none of them.)
-        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and seq.beam_search is None
+        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and not seq.raw_logits
                     and (ngram is not None or seq.grammar is None))
         if not (enabled and decoding and k):
             seq.spec_token_ids = []
@@ -36,3 +38,4 @@ def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> None
                 seq.spec_token_ids = seq.grammar.valid_drafts(seq.spec_token_ids)
         else:
             seq.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * k
+    return []

@@ -3,15 +3,20 @@ positions; the sampler processes every row with the request's options, and the r
 picks what to emit. A request without drafts in the same step is a verification of k = 0: a plain draw."""
 import torch
 
-from nanoserve.layers.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID
+from nanoserve.spec_decode.rejection_sampler import RejectionSampler
 
 rejection_sampler = RejectionSampler()
 
 
-def verify(runner, logits: torch.Tensor, inputs) -> torch.Tensor:
-    """ModelRunner.sample for a step with drafts (inputs: its ModelInput). Returns the token each sampling row
+def verify(runner: ModelRunner, logits: torch.Tensor, inputs) -> torch.Tensor:
+    """The sample seam (ModelRunner.sample; inputs: the step's ModelInput). Returns the token each sampling row
     emits, PLACEHOLDER_TOKEN_ID past a request's emitted run: 1 + k entries for a request with k drafts, one
-    for any other row, in row order (Scheduler.postprocess reads them so). Records the emitted tokens' logprobs."""
+    for any other row, in row order (Scheduler.postprocess reads them so). Records the emitted tokens' logprobs.
+    A step without drafts is a plain draw."""
+    if not inputs.spec_decode_tokens:
+        return runner.draw(logits, inputs)
     num_rows, first_rows, drafts, row = len(inputs.sample_seq_ids), [], [], 0
     while row < num_rows:  # a request's 1 + k rows are consecutive
         first_rows.append(row)
@@ -24,8 +29,6 @@ def verify(runner, logits: torch.Tensor, inputs) -> torch.Tensor:
                                [inputs.sampling.generators[r] for r in first_rows])
     ks = torch.tensor([len(d) for d in drafts], device=output.device)
     emitted = output[torch.arange(output.shape[1], device=output.device) <= ks[:, None]]
-    # Async scheduling: a row without drafts may have a placeholder in the next step (those with drafts sit it out).
-    runner.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, emitted)
     if inputs.logprobs:  # prompt tokens, and the rows that emitted a token (not those after a rejection)
         tokens = emitted.tolist()
         runner.record_logprobs(logits, tokens, [(seq, p, row) for seq, p, row in inputs.logprobs

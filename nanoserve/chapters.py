@@ -1,0 +1,98 @@
+"""The chapters: nanoserve's LLM and AsyncLLM, the core's with every feature plugged in (`nanoserve.LLM`).
+
+`build_engine(config)` is the one place that builds an engine from its config and hands each feature its seams
+(engine/seams.py). A feature the config asks for is plugged in here, its module imported only then; a feature a
+request asks for (structured outputs, beam search) joins with its first request. A plain request asks for none,
+so it runs the core alone (tests/test_reading_guide.py checks that).
+"""
+from nanoserve import async_llm, llm
+from nanoserve.beam_search_params import BeamSearchParams
+from nanoserve.config import Config
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.output_processor import RequestState
+from nanoserve.engine.seams import Seams
+from nanoserve.outputs import RequestOutput
+from nanoserve.sampling_params import RequestOutputKind
+from nanoserve.step_records import StepRecord, StepRecorder, step_recorder
+
+
+def build_engine(config: Config) -> EngineCore:
+    from nanoserve.parallel.torchrun import launched_by_torchrun
+
+    seams = Seams()
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or launched_by_torchrun():
+        from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
+
+        seams.executor_class = MultiprocExecutor
+    engine = EngineCore(config, seams)
+    if config.speculative_config is not None:  # speculative decoding: spec_decode/
+        from nanoserve.spec_decode import plug_in
+
+        plug_in(engine)
+    if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
+        step_recorder(engine, keep=True)
+    seams.request_options["structured_outputs"] = lambda request: structured_output_manager(engine).add_request(
+        request)
+    return engine
+
+
+def structured_output_manager(engine: EngineCore):
+    """The engine's StructuredOutputManager, plugged into its seams with the first structured request."""
+    from nanoserve.structured_output.manager import StructuredOutputManager
+
+    for processor in engine.seams.logits_processors:
+        if isinstance(processor, StructuredOutputManager):
+            return processor
+    return StructuredOutputManager.plug_in(engine)
+
+
+def beam_search_feature(engine: EngineCore):
+    """The engine's BeamScheduler, plugged into its seams with the first beam search."""
+    from nanoserve.beam_search.scheduler import BeamScheduler
+
+    for hook in engine.seams.after_step:
+        if isinstance(getattr(hook, "__self__", None), BeamScheduler):
+            return hook.__self__
+    return BeamScheduler.plug_in(engine)
+
+
+class LLM(llm.LLM):
+    __doc__ = llm.LLM.__doc__
+    build_engine = staticmethod(build_engine)
+
+    @property
+    def trace(self) -> list[StepRecord] | None:
+        """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else None."""
+        recorders = [o for o in self.engine.seams.observers if isinstance(o, StepRecorder)]
+        return recorders[0].trace if recorders else None
+
+    def beam_search(self, prompts: llm.Prompt | list[llm.Prompt], params: BeamSearchParams,
+                    use_tqdm: bool = True) -> list[RequestOutput]:
+        """One output per prompt with params.beam_width sequences, best first, each with its cumulative_logprob
+        (beam_search/scheduler.py; the search follows transformers' generate(num_beams=...))."""
+        prompts = llm.prompt_list(prompts)
+        token_ids = [llm.prompt_token_ids(self.tokenizer, p) for p in prompts]
+        beams = beam_search_feature(self.engine)
+        for ids in token_ids:  # all checked before any request is queued
+            beams.check_request(ids, params)
+        return self._add_and_run(prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
+                                 lambda request_id, i: beams.add_request(request_id, token_ids[i], params))
+
+
+class AsyncLLM(async_llm.AsyncLLM):
+    __doc__ = async_llm.AsyncLLM.__doc__
+    build_engine = staticmethod(build_engine)
+
+    async def beam_search(self, prompt: llm.Prompt, params: BeamSearchParams, request_id: str | None = None):
+        """vLLM's EngineClient.beam_search: one RequestOutput, once the search is done, with the beam_width best
+        sequences, best first (as LLM.beam_search)."""
+        token_ids = llm.prompt_token_ids(self.tokenizer, prompt)
+        request_id = str(next(self.request_ids)) if request_id is None else request_id
+        beams = beam_search_feature(self.engine_core)
+        beams.check_request(token_ids, params)
+        state = RequestState(request_id, llm.prompt_text(prompt), token_ids, RequestOutputKind.FINAL_ONLY,
+                             params.beam_width)
+        add = lambda: beams.add_request(request_id, token_ids, params)  # noqa: E731 (runs in the engine thread)
+        async for output in self._stream(state, ("add", request_id, add)):
+            yield output
+

@@ -1,0 +1,45 @@
+"""The seams: every place a feature plugs into the core, in one file.
+
+The core (nanoserve/llm.py, this package, models/, layers/) is a complete engine with none of them, and never
+imports a feature. A feature (a chapter: speculative decoding, beam search, structured outputs, step records,
+tensor and pipeline parallelism, ...) imports the core and adds itself here; nanoserve/chapters.py is the one
+place that builds an engine's seams from its config. With every list empty, as for a plain request, the core
+runs no feature code.
+"""
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from nanoserve.engine.output_processor import EngineCoreOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.sequence import Request, Sequence
+from nanoserve.layers.sampler import LogitsProcessor
+
+# (the step's plan, each sequence that got tokens -> how many) -> outputs of the requests the hook finished
+AfterStep = Callable[[SchedulerOutput, dict[Sequence, int]], list[EngineCoreOutput]]
+
+
+@dataclass
+class Seams:
+    # 1. Requests (EngineCore.add_request): a SamplingParams field -> who sets a request up for it, before any
+    #    step (structured_outputs: compile the grammar). A request setting a field nobody serves is refused.
+    request_options: dict[str, Callable[[Request], None]] = field(default_factory=dict)
+    # 2. Scheduling (Scheduler._sits_out): sequences that cannot be planned before their newest token is known,
+    #    with async scheduling (a grammar's next mask, drafts proposed from that token).
+    needs_newest_token: list[Callable[[Sequence], bool]] = field(default_factory=list)
+    # 3. Sampling (layers/sampler.py): logits processors, applied in order to the rows the sampler draws from
+    #    (a grammar's mask of allowed tokens). The InputBuilder asks each for its step's state on the host.
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    # 4. Drawing (ModelRunner.sample): picks each row's tokens instead of the sampler's draw (speculative
+    #    decoding's verification of the lookahead tokens). (sampler, logits, inputs) -> token ids.
+    sample: Callable | None = None
+    # 5. Before the forward (Executor.launch): fills the step's lookahead slots on the device (a draft model's
+    #    proposals). (plan, inputs, run_draft) -> the inputs to run.
+    propose: Callable | None = None
+    # 6. After the step (EngineCore._update_from_output), in order: hooks that take the step's tokens in (a grammar
+    #    accepts them), pick tokens themselves (beam search), or propose the next step's lookahead tokens.
+    after_step: list[AfterStep] = field(default_factory=list)
+    # 7. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
+    observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
+    # 8. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
+    #    process's ModelRunner alone (engine/executor.py).
+    executor_class: type | None = None

@@ -1,0 +1,196 @@
+"""Tensor and pipeline parallelism's executor (vLLM's MultiprocExecutor): rank 0's ModelRunner, in the engine's
+process, and the worker processes of ranks 1..N-1 (N = P x T), each with a ModelRunner of its own. It is the core's
+Executor (engine/executor.py) with each call sent to every rank, plugged in through the executor_class seam.
+
+With tensor parallelism every rank holds 1/T of each layer, and a stage's ranks meet in the collectives inside the
+forward (torch.distributed: gloo on CPU, NCCL on CUDA); with pipeline parallelism each stage holds 1/P of the layers
+and passes its activations on (parallel/pipeline.py). Only rank 0 schedules and samples. Each step it sends every
+worker, through a pipe, the ModelRunner method to call and its arguments (the step's input tensors), torch.save'd
+so that the worker can load them straight onto its own device. An idle worker blocks on its pipe; once rank 0
+closes it, the worker ends.
+"""
+import io
+import os
+import socket
+import sys
+import threading
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from multiprocessing.connection import Connection, wait
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from nanoserve.config import Config
+from nanoserve.engine.executor import Executor
+from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.seams import Seams
+from nanoserve.parallel.pipeline import PipelineStageModel, receive_logits
+from nanoserve.parallel.torchrun import connect_ranks, env_rank, launched_by_torchrun, start_watching
+from nanoserve.utils.distributed import destroy_stage_groups, init_stage_groups
+
+# A collective waiting this long for a rank that hangs raises (one whose peer has died raises at once); it must
+# exceed how far the ranks can drift apart, e.g. in loading their weights.
+TIMEOUT = timedelta(seconds=120)
+
+
+def world_size(config: Config) -> int:
+    return config.pipeline_parallel_size * config.tensor_parallel_size
+
+
+def init_process_group(config: Config, rank: int, init_method: str) -> None:
+    """Join the group as `rank` of P x T, meeting at init_method: tcp://127.0.0.1:port when spawned here, env://
+    under torchrun (parallel/torchrun.py), which also says how many ranks share this machine and which one we are."""
+    n = world_size(config)
+    local_rank, local_size = int(os.environ.get("LOCAL_RANK", rank)), int(os.environ.get("LOCAL_WORLD_SIZE", n))
+    if config.device == "cuda":
+        torch.cuda.set_device(local_rank)  # one GPU per rank
+    else:  # the ranks share the CPU's cores: N processes with a thread per core would fight over them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
+    dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=init_method,
+                            rank=rank, world_size=n, timeout=TIMEOUT)
+    init_stage_groups(config.tensor_parallel_size, config.pipeline_parallel_size)
+
+
+def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
+    """A spawned worker's life: join the group, then serve."""
+    init_process_group(config, rank, f"tcp://127.0.0.1:{port}")
+    run_worker(config, rank, conn)
+
+
+def make_runner(config: Config, rank: int = 0, seams: Seams | None = None) -> ModelRunner:
+    """This rank's ModelRunner: with pipeline stages, its stage's part of the model."""
+    return ModelRunner(config, rank, seams, PipelineStageModel if config.pipeline_parallel_size > 1 else None)
+
+
+def run_worker(config: Config, rank: int, conn: Connection) -> None:
+    """Build this rank's part of the model, then run what rank 0 sends until it closes the connection; exit."""
+    runner = make_runner(config, rank)
+    try:
+        while message := conn.recv_bytes():  # b"": rank 0 is shutting down
+            method, args = torch.load(io.BytesIO(message), map_location=runner.device, weights_only=False)
+            getattr(runner, method)(*args)
+    except Exception as error:  # EOFError: rank 0 died; else a failed send/recv or collective: another rank did
+        print(f"nanoserve worker rank {rank}: {type(error).__name__}: {error or 'rank 0 is gone'}; exiting",
+              file=sys.stderr, flush=True)
+        os._exit(1)
+    destroy_stage_groups()
+    os._exit(0)  # skip the interpreter's teardown (seconds, with torch loaded): nothing is left to do
+
+
+def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int,
+             closing: threading.Event | None = None) -> None:
+    """Say goodbye on every pipe (each worker leaves its loop), wait a little, kill what is left, leave the group."""
+    if closing is not None:  # torchrun: the watch on the workers' connections stands down
+        closing.set()
+    for conn in conns:
+        try:
+            conn.send_bytes(b"")  # goodbye: an EOF alone would mean that rank 0 died
+        except OSError:  # that worker is gone already
+            pass
+        conn.close()
+    for proc in procs:
+        proc.join(timeout=5)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    destroy_stage_groups()
+    torch.set_num_threads(num_threads)  # as before init_process_group
+
+
+class MultiprocExecutor(Executor):
+    """Rank 0's handle on every rank: starts ranks 1..N-1 (spawn, or joins torchrun's), then builds its own
+    ModelRunner (`model_runner`); runs each step on all of them; stops them."""
+
+    def __init__(self, config: Config, seams: Seams):
+        self.config, self.seams = config, seams
+        self.procs: list[mp.Process] = []
+        self.conns: list[Connection] = []
+        self.shutdown = lambda: None
+        # Pipeline stages: rank 0 takes the logits and samples in this thread (`submit`), behind the launches;
+        # it ends with the Executor (a dead engine's next step then fails in its launch, saying why).
+        self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if config.pipeline_parallel_size > 1 else None
+        if launched_by_torchrun():
+            self._join_torchrun(config)
+        else:
+            self._start_workers(config)
+        try:
+            self.model_runner = make_runner(config, seams=seams)
+        except BaseException:
+            self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
+            raise
+
+    def _start_workers(self, config: Config) -> None:
+        with socket.socket() as s:  # a free port for the group to meet on
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        for rank in range(1, world_size(config)):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=worker_main, args=(config, rank, port, reader), daemon=True)
+            proc.start()
+            reader.close()  # the worker has its copy: once it dies, writing fails instead of filling a buffer
+            self.procs.append(proc)
+            self.conns.append(writer)
+        # On `del llm`, garbage collection or interpreter exit; it holds no reference to self.
+        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
+        init_process_group(config, 0, f"tcp://127.0.0.1:{port}")
+
+    def _join_torchrun(self, config: Config) -> None:
+        """Under torchrun the workers are the other ranks it started: rank 0 connects to them; a worker serves
+        here and never returns (parallel/torchrun.py)."""
+        rank = env_rank()
+        init_process_group(config, rank, "env://")
+        self.conns = connect_ranks(rank, world_size(config))
+        if rank != 0:
+            run_worker(config, rank, self.conns[0])
+        closing = start_watching(self.conns)
+        self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), closing)
+
+    def submit(self, thread: ThreadPoolExecutor, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
+        """execute_model in the background (the batch queue's); the future gives the sampled ids. With pipeline
+        stages the launches run in `thread` and the finishes in a thread of their own, so that rank 0's stage
+        starts step N+1 while the later stages still run step N (its logits not back yet)."""
+        if self.receiver is None:
+            return thread.submit(self.execute_model, out, inputs)
+        launched = thread.submit(self.launch, out, inputs)
+        return self.receiver.submit(lambda: self.finish(out, *launched.result()))
+
+    def finish(self, out: SchedulerOutput, inputs: ModelInput | None, logits: torch.Tensor | None) -> torch.Tensor:
+        """With pipeline stages rank 0 computed no logits: the last stage sends them."""
+        if inputs is not None and logits is None:
+            try:
+                logits = receive_logits(len(inputs.logits_rows), self.config.hf_config.vocab_size,
+                                        self.config.torch_dtype, self.model_runner.device)
+            except RuntimeError:  # most often a dead worker: say which
+                self.check(timeout=1.0)
+                raise
+        return super().finish(out, inputs, logits)
+
+    def call(self, method: str, *args):
+        """model_runner.method(*args), after sending every worker the same call for its own runner."""
+        if not self.conns:
+            return getattr(self.model_runner, method)(*args)
+        buf = io.BytesIO()
+        torch.save((method, args), buf)
+        try:
+            for conn in self.conns:
+                conn.send_bytes(buf.getbuffer())
+            return getattr(self.model_runner, method)(*args)
+        except (OSError, RuntimeError):  # a broken pipe or a failed collective: most often a dead worker
+            self.check(timeout=1.0)  # if so, say which (giving a dying one a second to be reaped)
+            raise
+
+    def check(self, timeout: float = 0.0) -> None:
+        """Raise a clear error if a worker has exited (waiting up to timeout for one), after stopping the rest."""
+        ended = wait([proc.sentinel for proc in self.procs], timeout)
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.sentinel in ended:
+                proc.join()
+                self.shutdown()
+                raise RuntimeError(f"worker rank {rank} (pid {proc.pid}) exited with code "
+                                   f"{proc.exitcode}: this LLM cannot run any more; create a new one")

@@ -1,0 +1,18 @@
+"""Speculative decoding (docs/speculative.md): proposers that guess k tokens ahead into the core's lookahead slots
+(Sequence.spec_token_ids), and the verification that keeps what the target model agrees with. The scheduler's
+books for the 1 + k tokens (rollback, BlockManager.truncate) are the core's; this chapter plugs in at four seams."""
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.input_batch import InputBuilder
+from nanoserve.spec_decode.accounting import waits_for_drafts
+from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer
+from nanoserve.spec_decode.proposer import propose_drafts
+from nanoserve.spec_decode.verify import verify
+
+
+def plug_in(engine: EngineCore) -> None:
+    seams, spec = engine.seams, engine.config.speculative_config
+    seams.sample = verify  # the draw: a verification of each request's drafts
+    seams.needs_newest_token.append(waits_for_drafts)  # async scheduling: drafts start from the newest token
+    seams.after_step.append(lambda out, updated: propose_drafts(engine.scheduler.running, spec))  # next step's
+    if spec.method == "draft_model":  # before the forward: the draft model fills the slots the scheduler reserved
+        seams.propose = DraftModelProposer(InputBuilder.from_config(engine.config)).propose
