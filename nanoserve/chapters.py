@@ -96,3 +96,7 @@ class AsyncLLM(async_llm.AsyncLLM):
         async for output in self._stream(state, ("add", request_id, add)):
             yield output
 
+    def check_beam_request(self, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
+        """What beam_search would refuse, as a ValueError, before anything is queued (the server asks first)."""
+        beam_search_feature(self.engine_core).check_request(prompt_token_ids, params)
+

@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 from conftest import ARCHS, make_model, random_prompts
 from nanoserve import LLM
 from nanoserve.beam_search_params import BeamSearchParams
+from nanoserve.chapters import beam_search_feature
 from nanoserve.sampling_params import SamplingParams
 
 OPTIONS = dict(block_size=4, num_kvcache_blocks=512, max_model_len=64, max_num_seqs=300, enforce_eager=True)
@@ -69,7 +70,7 @@ def test_block_books(tiny_models):
     engine, bm = llm.engine, llm.engine.block_manager
     plans, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # to read each step's copies
-    engine.add_beam_request("r", PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
+    beam_search_feature(engine).add_request("r", PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
     saving = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -93,7 +94,7 @@ def test_beam_rows_skip_the_sampler(tiny_models):
     greedy_alone = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     rows = []
     llm.engine.model_runner.sampler.register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
-    llm.engine.add_beam_request("beams", PROMPTS[0], params)
+    beam_search_feature(llm.engine).add_request("beams", PROMPTS[0], params)
     llm.engine.add_request("greedy", PROMPTS[1], greedy)
     tokens = {}
     while llm.engine.has_unfinished_requests():

@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, LogitsProcessor, LogitsProcessorList
 
 from conftest import ARCHS, random_prompts
-from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.beam_search.search import BeamChild, BeamSearch, BeamStepOutput, Candidate, Hypothesis
+from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling_params import SamplingParams

@@ -199,15 +199,16 @@ def test_the_engines_refusals_name_the_clients_field():
     def refuse(ids, params):
         raise ValueError(message)
 
-    core = SimpleNamespace(config=SimpleNamespace(max_model_len=64, max_num_seqs=8), check_beam_request=refuse)
+    engine = SimpleNamespace(engine_core=SimpleNamespace(config=SimpleNamespace(max_model_len=64, max_num_seqs=8)),
+                             check_beam_request=refuse)
     for fields, message, param in (
             ({"n": 4}, "beam_width (4): each step ranks 8 candidates, more than 6 tokens", "n"),
             ({"n": 2, "best_of": 4}, "beam_width (4): each step ranks 8 candidates, more than 6 tokens", "best_of"),
             ({"n": 2}, "beam search: not with async_scheduling=True", "use_beam_search")):
         request = CompletionRequest(prompt="Hi", use_beam_search=True, max_tokens=4, **fields)
         with pytest.raises(APIError) as error:
-            beam_search_streams(SimpleNamespace(engine_core=core), request, [[5, 6]], 4, "r")
+            beam_search_streams(engine, request, [[5, 6]], 4, "r")
         assert error.value.param == param and error.value.message == f"{param}: {message}"
     message = "prompt + max_tokens needs 9 KV blocks"
     with pytest.raises(ValueError, match="^prompt"):  # the route's as_api_error names the prompt
-        beam_search_streams(SimpleNamespace(engine_core=core), request, [[5, 6]], 4, "r")
+        beam_search_streams(engine, request, [[5, 6]], 4, "r")

@@ -18,9 +18,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from conftest import Server, start_server
 from nanoserve import LLM, AsyncLLM, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.step_records import StepRecord
 from nanoserve.serving.app import build_app
 from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
+from nanoserve.step_records import StepRecord, step_recorder
 from nanoserve.tools.trace import STATES
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
@@ -31,7 +31,7 @@ def engine_with_stream(model: str, **options) -> tuple[LLM, StepStream, list[dic
     the list collects the engine state after each step."""
     llm = LLM(model, block_size=4, max_model_len=128, **options)
     stream, states = StepStream(llm.engine, interval=0), []
-    llm.engine.recorder.listeners += [stream.record, lambda rec: states.append(stream.engine)]
+    step_recorder(llm.engine).listeners += [stream.record, lambda rec: states.append(stream.engine)]
     return llm, stream, states
 
 
@@ -102,7 +102,7 @@ def test_engine_read_at_most_every_interval_and_when_idle(tiny_models):
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     stream, reads, sent = StepStream(llm.engine, interval=3600), [], []
     stream.read_engine = lambda: reads.append(len(llm.engine.scheduler.running)) or {"reading": len(reads)}
-    llm.engine.recorder.listeners += [stream.record, lambda rec: sent.append(stream.since(0))]
+    step_recorder(llm.engine).listeners += [stream.record, lambda rec: sent.append(stream.since(0))]
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # 8 steps
     assert reads == [1, 0] and stream.num_records == 8
     assert [(len(steps), engine) for steps, _, engine, _ in sent] == [(1, {"reading": 1})] * 7 + [(8, {"reading": 2})]
@@ -112,7 +112,7 @@ def test_an_abort_that_leaves_the_engine_idle_is_read(tiny_models):
     """Aborts make no step; the last one, which leaves the engine idle with no step to come, is read at once."""
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     stream = StepStream(llm.engine, interval=3600)
-    llm.engine.recorder.listeners.append(stream.record)
+    step_recorder(llm.engine).listeners.append(stream.record)
     for name in "AB":
         llm.engine.add_request(name, [ord(name), 5, 6, 7, 8], GREEDY)
     llm.engine.step()
@@ -194,12 +194,12 @@ def test_off_by_default_nothing_recorded(tiny_models, monkeypatch):
     monkeypatch.setattr("nanoserve.step_records.record_step", fail)
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    assert llm.engine.recorder.listeners == [] and llm.engine.recorder.num_steps == 0
+    assert llm.engine.seams.observers == []  # no StepRecorder: nothing watches the steps
     engine = AsyncLLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     try:
         client = TestClient(build_app(engine, "tiny"))
         assert client.get("/dashboard").status_code == 404 and client.get("/debug/steps").status_code == 404
-        assert engine.engine_core.recorder.listeners == []
+        assert engine.engine_core.seams.observers == []
     finally:
         engine.shutdown()
 

@@ -1,8 +1,8 @@
 """Verification of draft tokens: exact on greedy rows, distribution-preserving on sampled ones, reproducible."""
 import torch
 
-from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 from nanoserve.layers.sampler import Sampler, SamplingMetadata
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 V = 8
 N = 100_000  # trials of one request each, all in one call

@@ -6,13 +6,9 @@ import pytest
 
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.sequence import Sequence
-from nanoserve.spec_decode.accounting import (
-    SpecDecodingStats,
-    free_tail,
-    num_rejected_tokens,
-    num_spec_tokens_allowed,
-)
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.accounting import num_rejected_tokens, num_spec_tokens_allowed
+from nanoserve.speculative_config import SpecDecodingStats
 
 BS = 4
 
@@ -48,7 +44,7 @@ def verify(bm: BlockManager, s: Sequence, drafts: list[int], emitted: list[int],
     s.token_ids += emitted
     s.num_computed_tokens -= num_rejected_tokens(len(drafts), len(emitted))
     bm.hash_blocks(s, start, s.num_computed_tokens)  # only blocks full of verified tokens
-    free_tail(bm, s, s.num_computed_tokens)  # blocks past the verified KV held only rejected drafts
+    bm.truncate(s, s.num_computed_tokens)  # blocks past the verified KV held only rejected drafts
     return copies
 
 

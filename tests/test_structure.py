@@ -1,5 +1,6 @@
-"""The package's shape (the developer's guide): imports run one way down the layers, with no circles, and no
-file a student reads is over 300 lines. Read from the source with ast: function-level imports count too."""
+"""The package's shape (the developer's guide): imports run one way down the layers, with no circles; the core
+never imports a feature (features plug in at engine/seams.py); no file a student reads is over 300 lines. Read
+from the source with ast: function-level imports count too."""
 import ast
 import shutil
 from graphlib import CycleError, TopologicalSorter
@@ -8,8 +9,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "nanoserve"
 RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structured_outputs",  # importable by all
            "nanoserve.outputs", "nanoserve.speculative_config", "nanoserve.beam_search_params"}
-# Higher floors import lower ones, never the reverse.
-FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4, "serving": 5, "tools": 5}
+# Higher floors import lower ones, never the reverse. The core is floors 0-4; the features (chapters) stand on it
+# at 5; chapters.py, which plugs them in, above them; then what is built on the whole engine.
+FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4,
+          "spec_decode": 5, "beam_search": 5, "structured_output": 5, "step_records": 5, "parallel": 5,
+          "chapters": 6, "serving": 7, "tools": 7}
+CORE = {"utils", "layers", "models", "engine", "llm", "async_llm"}
 
 
 def module_name(path: Path, root: Path) -> str:
@@ -22,7 +27,7 @@ def floor(module: str) -> int:
         return 0
     parts = module.split(".")
     if len(parts) == 1:
-        return 5  # the package itself: its __init__ exports the API
+        return 7  # the package itself: its __init__ exports the API
     assert parts[1] in FLOORS, f"{module}: a new top-level module; place it in FLOORS or RECORDS"
     return FLOORS[parts[1]]
 
@@ -58,6 +63,21 @@ def upward(graph: dict[str, set[str]]) -> list[str]:
     return [f"{a} -> {b}" for a, targets in graph.items() for b in targets if floor(b) > floor(a)]
 
 
+def is_core(module: str) -> bool:
+    parts = module.split(".")
+    return len(parts) > 1 and parts[1] in CORE
+
+
+def core_to_feature(graph: dict[str, set[str]]) -> list[str]:
+    """Imports from a core module into anything but the core and the parameter records."""
+    return [f"{a} -> {b}" for a, targets in graph.items() if is_core(a)
+            for b in targets if not is_core(b) and b not in RECORDS]
+
+
+def test_the_core_never_imports_a_feature():
+    assert not core_to_feature(imports()), core_to_feature(imports())
+
+
 def test_no_import_cycles():
     assert not cycle(imports()), " -> ".join(cycle(imports()))
 
@@ -78,9 +98,13 @@ def test_the_checks_can_fail(tmp_path):
     copy = tmp_path / "nanoserve"
     shutil.copytree(ROOT, copy)
     with open(copy / "engine" / "sequence.py", "a") as f:
-        f.write("\n\ndef request():\n    from nanoserve.engine.request import Request\n    return Request\n")
+        f.write("\n\ndef scheduler():\n    from nanoserve.engine.scheduler import Scheduler\n    return Scheduler\n")
+    with open(copy / "engine" / "scheduler.py", "a") as f:  # a feature import, deep inside a function
+        f.write("\n\ndef drafts():\n    from nanoserve.spec_decode.proposer import propose_drafts\n"
+                "    return propose_drafts\n")
     with open(copy / "layers" / "sampler.py", "a") as f:
-        f.write("\nfrom nanoserve.engine.detokenizer import IncrementalDetokenizer  # noqa\n")
+        f.write("\nfrom nanoserve.engine.output_processor import IncrementalDetokenizer  # noqa\n")
     graph = imports(copy)
-    assert {"nanoserve.engine.sequence", "nanoserve.engine.request"} <= set(cycle(graph))
-    assert "nanoserve.layers.sampler -> nanoserve.engine.detokenizer" in upward(graph)
+    assert {"nanoserve.engine.sequence", "nanoserve.engine.scheduler"} <= set(cycle(graph))
+    assert "nanoserve.layers.sampler -> nanoserve.engine.output_processor" in upward(graph)
+    assert core_to_feature(graph) == ["nanoserve.engine.scheduler -> nanoserve.spec_decode.proposer"]

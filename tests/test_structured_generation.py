@@ -12,6 +12,8 @@ from nanoserve.layers.sampler import Sampler, SamplingMetadata
 from nanoserve.structured_outputs import StructuredOutputsParams
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install 'nanoserve[structured]')")
+from nanoserve.structured_output.manager import StructuredOutputManager  # noqa: E402
+
 jsonschema = pytest.importorskip("jsonschema")
 
 OPTIONS = dict(max_model_len=512, num_kvcache_blocks=256)
@@ -114,7 +116,7 @@ def test_every_sampled_token_is_allowed_at_its_position(llm):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
 def test_a_mask_with_a_single_token_gives_that_token(temperature):
-    """The sampler's side (layers/sampler.py rule_out), with top-k, top-p and penalties: only the allowed token
+    """The sampler's side (the grammar's logits processor in layers/sampler.py rule_out), with top-k, top-p and penalties: only the allowed token
     can come out, even where it is the least likely one; the columns past the bitmask's last word never do."""
     logits = torch.randn(3, 100) * 5
     allowed = [7, 99, 64]
@@ -125,7 +127,7 @@ def test_a_mask_with_a_single_token_gives_that_token(temperature):
     rows = torch.full((3,), temperature)
     sampling = SamplingMetadata(temperatures=None if temperature == 0 else rows, top_ks=torch.full((3,), 5),
                                 top_ps=torch.full((3,), 0.5), min_ps=None, generators=[None] * 3,
-                                grammar_bitmask=bitmask)
+                                logits_processors=[(StructuredOutputManager, bitmask)])
     for _ in range(5):
         assert Sampler()(logits, sampling).tolist() == allowed
 

@@ -65,7 +65,7 @@ def beam_search_streams(engine, request: SamplingRequest, prompts: list[list[int
               for p in prompts]
     for ids, bp in zip(prompts, params):
         try:
-            engine.engine_core.check_beam_request(ids, bp)
+            engine.check_beam_request(ids, bp)
         except ValueError as e:  # the engine's limits on beam search itself, as the client's fields: the width
             # (more candidates than the vocabulary holds), or the server's options (--async-scheduling, ...)
             prefixes = {"beam_width": width_field(request), "beam search:": "use_beam_search"}

@@ -61,7 +61,8 @@ class StructuredOutputManager:
                 seq.grammar.fill_bitmask(bitmask, row, seq.spec_token_ids)
         return bitmask
 
-    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def apply(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """Rule out what the grammar does not allow: column t is bit t % 32 of word t // 32."""
         bitmask = bitmask.to(logits.device, non_blocking=True)
         bits = bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32, device=logits.device)
