@@ -70,7 +70,8 @@ def test_block_books(tiny_models):
     engine, bm = llm.engine, llm.engine.block_manager
     plans, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # to read each step's copies
-    beam_search_feature(engine).add_request("r", PROMPTS[0], BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True))
+    params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
+    beam_search_feature(engine).add_request("r", PROMPTS[0], params)
     saving = []
     while engine.has_unfinished_requests():
         outputs = engine.step()

@@ -116,8 +116,9 @@ def test_every_sampled_token_is_allowed_at_its_position(llm):
 
 @pytest.mark.parametrize("temperature", [0.0, 1.5])
 def test_a_mask_with_a_single_token_gives_that_token(temperature):
-    """The sampler's side (the grammar's logits processor in layers/sampler.py rule_out), with top-k, top-p and penalties: only the allowed token
-    can come out, even where it is the least likely one; the columns past the bitmask's last word never do."""
+    """The sampler's side (the grammar's logits processor, in layers/sampler.py rule_out), with top-k, top-p and
+    penalties: only the allowed token can come out, even where it is the least likely one; the columns past the
+    bitmask's last word never do."""
     logits = torch.randn(3, 100) * 5
     allowed = [7, 99, 64]
     bitmask = torch.zeros(3, 4, dtype=torch.int32)

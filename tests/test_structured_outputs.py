@@ -1,6 +1,6 @@
-"""Structured outputs' building blocks (nanoserve/structured_outputs.py, nanoserve/structured_output/grammar.py) on the demo
-model's tokenizer (49,152 byte-level BPE tokens): the specs' checks, the compile cache, and masks checked against
-the whole vocabulary with Python's own bytes and regex rules, not with xgrammar's."""
+"""Structured outputs' building blocks (nanoserve/structured_outputs.py, nanoserve/structured_output/grammar.py) on
+the demo model's tokenizer (49,152 byte-level BPE tokens): the specs' checks, the compile cache, and masks checked
+against the whole vocabulary with Python's own bytes and regex rules, not with xgrammar's."""
 import json
 import re
 
