@@ -1,0 +1,62 @@
+"""The reading guide cannot drift: a plain greedy LLM.generate on the demo model, with default options, runs code
+in exactly the files the README's first part ("The core, in request order") lists, no feature file among them."""
+import re
+import sys
+import threading
+from pathlib import Path
+
+from test_structure import CORE
+
+from nanoserve import LLM, SamplingParams
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def guide_core_files() -> set[str]:
+    """The .py files the README's reading guide lists in its first part."""
+    readme = (REPO / "README.md").read_text()
+    part = readme.split("### The core, in request order", 1)[1].split("\n### ", 1)[0]
+    return set(re.findall(r"`(nanoserve/[\w/]+\.py)`", part))
+
+
+def files_run(fn) -> set[str]:
+    """Every nanoserve .py file that runs a line while fn() runs, in any thread (repo-relative paths)."""
+    root, seen = str(REPO / "nanoserve"), set()
+
+    def tracer(frame, event, arg):
+        path = frame.f_code.co_filename
+        if not path.startswith(root):
+            return None
+        seen.add(str(Path(path).relative_to(REPO)))
+        return tracer
+
+    sys.settrace(tracer)
+    threading.settrace(tracer)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+    return seen
+
+
+def test_a_plain_request_runs_the_guides_core_files_and_no_feature(converted):
+    llm = LLM(str(converted[1]))
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    ran = files_run(lambda: llm.generate(["Hello, my name is", "The capital of France is"], params, use_tqdm=False))
+    features = {f for f in ran if f.split("/")[1].removesuffix(".py") not in CORE}
+    assert not features, features
+    assert ran == guide_core_files(), (ran - guide_core_files(), guide_core_files() - ran)
+    assert len(ran) <= 20
+
+
+def test_the_check_can_fail(converted):
+    """A feature plugged into a plain engine's after_step seam shows up in the trace."""
+    from nanoserve.spec_decode.proposer import propose_drafts
+    from nanoserve.speculative_config import SpeculativeConfig
+
+    spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 2})
+    llm = LLM(str(converted[1]))
+    llm.engine.seams.after_step.append(lambda out, updated: propose_drafts([], spec))
+    ran = files_run(lambda: llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False))
+    assert "nanoserve/spec_decode/proposer.py" in ran and ran != guide_core_files()
