@@ -535,7 +535,8 @@ def test_readme_sampling_params_signature_is_the_code():
 def test_reading_guide_line_counts():
     text = (ROOT / "README.md").read_text()
     problems = []
-    for m in re.finditer(r"`(nanoserve/[\w/]+\.py)` \((\d+)\)", text):
+    # any file type the guide names (.py, .cpp), and a count that wraps onto the next line
+    for m in re.finditer(r"`(nanoserve/[\w/.]+\.\w+)`\s+\((\d+)\)", text):
         lines = sum(1 for line in (ROOT / m[1]).read_text().splitlines() if line.strip())
         if lines != int(m[2]):
             problems.append(f"README.md:{text.count(chr(10), 0, m.start()) + 1}: {m[1]} has {lines} non-blank "
