@@ -532,16 +532,29 @@ def test_readme_sampling_params_signature_is_the_code():
     assert written == actual, f"README.md:{spans[0].line}: SamplingParams(...) differs from the code"
 
 
-def test_reading_guide_line_counts():
-    text = (ROOT / "README.md").read_text()
+def line_count_problems(text: str) -> list[str]:
+    """Each `file` (count) of README's text whose count is not the file's non-blank lines: any file type the guide
+    names (.py, .cpp), the count on the same line or wrapped onto the next."""
     problems = []
-    # any file type the guide names (.py, .cpp), and a count that wraps onto the next line
     for m in re.finditer(r"`(nanoserve/[\w/.]+\.\w+)`\s+\((\d+)\)", text):
         lines = sum(1 for line in (ROOT / m[1]).read_text().splitlines() if line.strip())
         if lines != int(m[2]):
             problems.append(f"README.md:{text.count(chr(10), 0, m.start()) + 1}: {m[1]} has {lines} non-blank "
                             f"lines, not {m[2]}")
+    return problems
+
+
+def test_reading_guide_line_counts():
+    problems = line_count_problems((ROOT / "README.md").read_text())
     assert not problems, "\n".join(problems)
+
+
+def test_the_line_count_check_can_fail():
+    problems = line_count_problems("1. `nanoserve/llm.py` (1): the API; `nanoserve/layers/csrc/elementwise_cpu.cpp`\n"
+                                   "   (2), and `nanoserve/engine/torchrun.py` (3).\n")
+    assert [p.split(" has ")[0] for p in problems] == ["README.md:1: nanoserve/llm.py",
+                                                       "README.md:1: nanoserve/layers/csrc/elementwise_cpu.cpp",
+                                                       "README.md:2: nanoserve/engine/torchrun.py"]
 
 
 def test_the_checks_can_fail(index, tmp_path):
