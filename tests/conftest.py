@@ -93,8 +93,11 @@ def assert_within_ties(path: str, prompts: list[list[int]], outputs: list[list[i
 
 def assert_killed_worker_fails_fast(llm, prompts: list[list[int]], params):
     """SIGKILL worker rank 1 as rank 0 starts its third forward (the worker already has that step): generate must
-    raise a clear error within seconds instead of waiting forever, and the engine must stay dead, clearly.
+    raise a clear error once it sees the worker's connection close instead of waiting, and the engine must stay
+    dead, clearly.
     Returns the worker, for the caller to check it is gone."""
+    from nanoserve.engine.executor import TIMEOUT
+
     runner, worker = llm.engine.model_runner, llm.engine.executor.procs[0]
     run_model, calls = runner.run_model, []
 
@@ -106,9 +109,13 @@ def assert_killed_worker_fails_fast(llm, prompts: list[list[int]], params):
 
     runner.run_model = kill_worker_then_run
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9") as error:
         llm.generate(prompts, params, use_tqdm=False)
-    assert time.perf_counter() - start < 10
+    # Bound by what the code controls, not by the machine's load: the error comes from the dead worker's closed
+    # connection (about 0.3 s on an idle machine; 25-50 s seen under a loaded suite), never from waiting out the
+    # collectives' timeout (executor.TIMEOUT), which is what a hang would look like.
+    assert "Timed out" not in str(error.value.__context__)
+    assert time.perf_counter() - start < TIMEOUT.total_seconds()
     with pytest.raises(RuntimeError, match="cannot run any more"):
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
     return worker

@@ -221,7 +221,7 @@ AUTH = {"Authorization": f"Bearer {API_KEY}"}
 # is preempted; its KV goes to 7 blocks of host memory (--swap-space: 0.005 GiB, at 0.7 MB a block).
 SERVER_FLAGS = ["--dashboard", "--api-key", API_KEY, "--num-kvcache-blocks", "12", "--max-num-seqs", "4",
                 "--preemption-mode", "swap", "--swap-space", "0.005", "--max-model-len", "256",
-                "--shutdown-timeout", "10", "--uvicorn-log-level", "warning"]
+                "--shutdown-timeout", "60", "--uvicorn-log-level", "warning"]
 BROWSER = shutil.which("chromium")
 BROWSER_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
@@ -473,7 +473,8 @@ def test_page_shows_beams_forking(tiny_models, tmp_path):
 
 
 def test_sigterm_ends_the_stream_at_once(server):
-    """The last test: a browser's stream does not hold the server up for its --shutdown-timeout (10 s)."""
+    """The last test: a browser's stream does not hold the server up for its --shutdown-timeout (60 s here: far
+    above what a loaded machine takes to stop, so the bound below tells a held-up stream apart; a second or so idle)."""
     with httpx.stream("GET", f"{server.url}/debug/steps", headers=AUTH, timeout=30) as response:
         lines = response.iter_lines()
         assert next(lines) == "event: config"
@@ -481,5 +482,5 @@ def test_sigterm_ends_the_stream_at_once(server):
         server.process.send_signal(signal.SIGTERM)
         for _ in lines:  # until the server ends the stream
             pass
-    assert server.process.wait(30) == 0 and time.monotonic() - start < 5, server.log.read_text()
+    assert server.process.wait(90) == 0 and time.monotonic() - start < 30, server.log.read_text()
     assert "Traceback" not in server.log.read_text()

