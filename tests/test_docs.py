@@ -607,3 +607,28 @@ def test_readme_streaming_snippet_streams_the_text(converted, monkeypatch):
     namespace = {"print": lambda *args, **kwargs: printed.append(args)}
     exec(compile(readme_snippet("### Streaming: `AsyncLLM`"), "README.md", "exec"), namespace)
     assert len(printed) > 1 and "".join(args[0] for args in printed).strip()
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|Users|root|mnt|opt|srv)/[\w./-]*")
+# "issue 21", "(#21)", "PR 7": a number that means something only to whoever filed it; another project's issue,
+# named with the project ("nano-vllm issues #207", "vLLM #7883"), tells a reader where to look.
+BARE_ISSUE = re.compile(r"(?<!nano-vllm )(?<!vLLM )\b(?:issues?|PRs?|pull requests?) #?\d+|(?<![\w-])\(#\d+\)", re.I)
+
+
+def path_and_issue_problems(doc: Path) -> list[str]:
+    """A reader's machine has none of the author's paths, and the docs' reader has no issue tracker."""
+    problems = []
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        problems += [f"{name(doc)}:{number}: `{m[0]}` is one machine's path" for m in MACHINE_PATH.finditer(line)]
+        problems += [f"{name(doc)}:{number}: `{m[0]}` is a bare issue number" for m in BARE_ISSUE.finditer(line)]
+    return problems
+
+
+def test_docs_name_no_machine_paths_and_no_bare_issue_numbers(tmp_path):
+    assert not [p for doc in DOCS for p in path_and_issue_problems(doc)]
+    bad = tmp_path / "bad.md"
+    bad.write_text("python bench.py --vllm-python /work/vllm-venv/bin/python\n## Threads (issue 19)\nfixed (#12)\n"
+                   "the class of nano-vllm issues #207 and #211 (vLLM #7883 for V0), all-reduce #1\n")
+    assert [p.split(": ", 1)[1] for p in path_and_issue_problems(bad)] == [
+        "`/work/vllm-venv/bin/python` is one machine's path", "`issue 19` is a bare issue number",
+        "`(#12)` is a bare issue number"]
