@@ -36,6 +36,10 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=100000.0),
 }
 ARCHS = list(CONFIGS)
+# The KV pool of the tests whose pool size teaches nothing: room for every sequence they run. The default
+# (cpu_kvcache_space, 2 GiB) is 262,144 blocks of 16 tokens of these tiny models, a million of 4: zeroing it and
+# making a Block for each took 2.4 s an engine on an idle machine, and far longer on a busy one.
+ROOMY_POOL = dict(num_kvcache_blocks=1024)
 
 
 @pytest.fixture(autouse=True)
