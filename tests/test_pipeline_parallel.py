@@ -153,10 +153,10 @@ def test_sigterm_leaves_no_worker(models, tmp_path):
     try:
         worker = int(proc.stdout.readline())
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert proc.wait(timeout=60) == -signal.SIGTERM
     finally:
         proc.kill()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (at once when idle: a bound only a hang breaks, not a busy machine)
     while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{worker}")
