@@ -67,15 +67,18 @@ def build_lock(build_dir: Path, source: str) -> Iterator[None]:
         except BlockingIOError:
             f.seek(0)
             owner = f.read().strip() or "another process"
-            say(f"waiting for {owner}, which is building the CPU kernel {source} in {build_dir}")
-            deadline = time.monotonic() + WAIT_FOR_OTHER_BUILD_S
+            start, said = time.monotonic(), False
             while True:
-                time.sleep(0.2)
+                time.sleep(0.1)
                 try:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
-                    if time.monotonic() > deadline:
+                    waited = time.monotonic() - start
+                    if not said and waited > 1:  # (another rank loading the built kernel takes well under that)
+                        say(f"waiting for {owner}, which is building the CPU kernel {source} in {build_dir}")
+                        said = True
+                    if waited > WAIT_FOR_OTHER_BUILD_S:
                         raise TimeoutError(f"{owner} has been building {build_dir} for over "
                                            f"{WAIT_FOR_OTHER_BUILD_S:.0f} s: end it, or delete that folder, and "
                                            "run again") from None
