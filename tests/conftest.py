@@ -1,4 +1,5 @@
 """Tiny random-weight models (fixed seed) saved as Hugging Face folders, and the transformers reference."""
+import functools
 import importlib.util
 import os
 import signal
@@ -71,15 +72,24 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy generate, one prompt at a time (no padding), float32."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, min_new_tokens=0)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    version = os.stat(Path(path) / "config.json").st_mtime_ns  # (a model written again at the same path is new)
+    return [list(hf_greedy_one(str(path), version, tuple(prompt), max_new_tokens)) for prompt in prompts]
+
+
+# Remembered for the session: test modules ask for the same model's answers to the same prompts (the tiny models
+# are written once, at session scope), and loading the model again for each call cost more than generating.
+@functools.cache
+def hf_model(path: str, version: int) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_greedy_one(path: str, version: int, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(path, version).generate(ids, attention_mask=torch.ones_like(ids),
+                                               max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=0)
+    return tuple(out[0, len(prompt):].tolist())
 
 
 def assert_within_ties(path: str, prompts: list[list[int]], outputs: list[list[int]], tie: float) -> None:
