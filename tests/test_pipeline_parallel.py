@@ -146,7 +146,8 @@ def test_one_batch_in_flight_per_stage_and_no_request_in_two(models, prompts, ex
 
 def test_sigterm_leaves_no_worker(models, tmp_path):
     """A script with a 2-stage LLM killed by SIGTERM (no finalizers run): its worker sees the pipe close, exits."""
-    script = (f"import time\nfrom nanoserve import LLM\nllm = LLM({models['qwen3']!r}, pipeline_parallel_size=2)\n"
+    script = (f"import time\nfrom nanoserve import LLM\nllm = LLM({models['qwen3']!r}, pipeline_parallel_size=2, "
+              "num_kvcache_blocks=64)\n"
               "print('worker', llm.engine.executor.procs[0].pid, flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -126,7 +126,8 @@ def test_failed_start_and_interpreter_exit_leave_no_process(models, tmp_path):
         LLM(models["qwen3"], tensor_parallel_size=N, cpu_kvcache_space=1e-9)
     assert no_process_left([])
     # A script that dies of an exception with a live tensor-parallel LLM: its worker exits with it.
-    script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N})\n"
+    script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N}, "
+              "num_kvcache_blocks=64)\n"
               "print(llm.engine.executor.procs[0].pid, flush=True)\nraise SystemExit('boom')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

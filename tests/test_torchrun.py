@@ -17,7 +17,7 @@ from conftest import hf_greedy, random_prompts
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """import json, sys
 from nanoserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], pipeline_parallel_size=2)  # (on rank 1 this serves as a worker, and never returns)
+llm = LLM(sys.argv[1], pipeline_parallel_size=2, num_kvcache_blocks=64)  # (on rank 1: a worker, never returns)
 outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
 print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
 """
