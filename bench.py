@@ -16,6 +16,7 @@ run by benchmarks/vllm_peer.py in vLLM's own interpreter, `--vllm-python`).
     python bench.py --lookup --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
                                           # speculation on vs off, on prompts that ask to repeat real text
     python bench.py --json results.json   # also write the figures for scripts
+    python bench.py --serve               # the online benchmark instead: benchmarks/serve.py (HTTP, streaming)
 
 Timing lives here, not in the engine: bench.py drives `llm.engine` step by step (as LLM.generate
 does) to timestamp each request's tokens, and wraps `model_runner.run_model` to time the forward.
@@ -82,7 +83,10 @@ def workload_help() -> str:
         lines.append(f"  {flag:<16}{n} prompts, input {inputs}, output {out_min}-{out_max} tokens")
     return ("workloads (random token ids, seed 0, greedy, ignore_eos; --num-prompts, --input-len and --output-len "
             "override them):\n" + "\n".join(lines) + "\n  on 2 CPU cores with the transformers peer, the default "
-            "takes about 3 minutes, --quick about 30 seconds")
+            "takes about 3 minutes, --quick about 45 seconds (start-up included)\n\n"
+            "the online benchmark (HTTP streaming to `nanoserve serve`, Poisson arrivals):\n"
+            "  --serve         runs benchmarks/serve.py with the other arguments; `python bench.py --serve --help` "
+            "lists its flags")
 
 
 def parse_args(argv=None) -> argparse.Namespace:

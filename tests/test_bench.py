@@ -1,6 +1,7 @@
 """bench.py runs end to end on a tiny random model and writes every figure (no timing assertions)."""
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -133,3 +134,22 @@ def test_vllm_peer_skipped_without_vllm(config_only, tmp_path):
     report = run_bench(config_only, tmp_path / "bench.json", "--peer", "vllm", "--vllm-python", sys.executable)
     assert "cannot import vllm" in report["skipped"]["vllm"] and "--vllm-python" in report["skipped"]["vllm"]
     assert list(report["results"]) == ["nanoserve auto"] and report["ratios"] == {}
+
+
+def test_help_lists_every_flag_the_docs_give_bench_py(capsys):
+    """A reader who meets `python bench.py --serve` in the docs finds it in `python bench.py --help`."""
+    sys.path.insert(0, str(ROOT))
+    import bench
+
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--help"])
+    help_text = capsys.readouterr().out
+    missing = {}
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for number, line in enumerate(doc.read_text().splitlines(), 1):
+            # the flags of one command line: `python bench.py --x V --y`, up to the end of its quote
+            for command in re.finditer(r"python bench\.py((?: +--?[\w.,=-]+(?: +(?!--)[^\s`|#]+)*)*)", line):
+                for flag in re.findall(r"(?<![\w-])--[a-z][\w-]*", command[1]):
+                    if flag not in help_text:
+                        missing.setdefault(flag, f"{doc.relative_to(ROOT)}:{number}")
+    assert not missing, f"python bench.py --help does not list {missing}"

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import ARCHS, assert_within_ties, random_prompts
+from conftest import ARCHS, ROOMY_POOL, assert_within_ties, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.linear import reorders_for_onednn
 
@@ -24,8 +24,9 @@ def test_bfloat16_greedy_equals_float32_within_ties(tiny_models, arch):
     path = tiny_models[arch]
     prompts = random_prompts(8, seed=1)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    fp32 = [o.outputs[0].token_ids for o in LLM(path, device="cpu").generate(prompts, params, use_tqdm=False)]
-    llm = LLM(path, device="cpu", dtype="bfloat16")
+    fp32 = [o.outputs[0].token_ids
+            for o in LLM(path, device="cpu", **ROOMY_POOL).generate(prompts, params, use_tqdm=False)]
+    llm = LLM(path, device="cpu", dtype="bfloat16", **ROOMY_POOL)
     linears = [m for m in llm.engine.model_runner.model.modules() if isinstance(m, nn.Linear)]
     assert all(m.weight.is_mkldnn == reorders_for_onednn(torch.bfloat16) for m in linears)
     bf16 = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]

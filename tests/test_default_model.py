@@ -23,7 +23,7 @@ from nanoserve.utils.default_model import DEFAULT_MODEL, resolve_model
 def test_conversion_layout(converted):
     cache, folder = converted
     assert folder.parent == cache and folder.is_dir()
-    assert [p.name for p in cache.iterdir()] == [folder.name]  # no leftover temp dir
+    assert not list(cache.glob(".tmp-*"))  # no leftover temp dir (the cache also holds the CPU kernels)
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"]
     assert "quantization_config" not in config

@@ -532,15 +532,29 @@ def test_readme_sampling_params_signature_is_the_code():
     assert written == actual, f"README.md:{spans[0].line}: SamplingParams(...) differs from the code"
 
 
-def test_reading_guide_line_counts():
-    text = (ROOT / "README.md").read_text()
+def line_count_problems(text: str) -> list[str]:
+    """Each `file` (count) of README's text whose count is not the file's non-blank lines: any file type the guide
+    names (.py, .cpp), the count on the same line or wrapped onto the next."""
     problems = []
-    for m in re.finditer(r"`(nanoserve/[\w/]+\.py)` \((\d+)\)", text):
+    for m in re.finditer(r"`(nanoserve/[\w/.]+\.\w+)`\s+\((\d+)\)", text):
         lines = sum(1 for line in (ROOT / m[1]).read_text().splitlines() if line.strip())
         if lines != int(m[2]):
             problems.append(f"README.md:{text.count(chr(10), 0, m.start()) + 1}: {m[1]} has {lines} non-blank "
                             f"lines, not {m[2]}")
+    return problems
+
+
+def test_reading_guide_line_counts():
+    problems = line_count_problems((ROOT / "README.md").read_text())
     assert not problems, "\n".join(problems)
+
+
+def test_the_line_count_check_can_fail():
+    problems = line_count_problems("1. `nanoserve/llm.py` (1): the API; `nanoserve/layers/csrc/elementwise_cpu.cpp`\n"
+                                   "   (2), and `nanoserve/engine/torchrun.py` (3).\n")
+    assert [p.split(" has ")[0] for p in problems] == ["README.md:1: nanoserve/llm.py",
+                                                       "README.md:1: nanoserve/layers/csrc/elementwise_cpu.cpp",
+                                                       "README.md:2: nanoserve/engine/torchrun.py"]
 
 
 def test_the_checks_can_fail(index, tmp_path):
@@ -593,3 +607,28 @@ def test_readme_streaming_snippet_streams_the_text(converted, monkeypatch):
     namespace = {"print": lambda *args, **kwargs: printed.append(args)}
     exec(compile(readme_snippet("### Streaming: `AsyncLLM`"), "README.md", "exec"), namespace)
     assert len(printed) > 1 and "".join(args[0] for args in printed).strip()
+
+
+MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|Users|root|mnt|opt|srv)/[\w./-]*")
+# "issue 21", "(#21)", "PR 7": a number that means something only to whoever filed it; another project's issue,
+# named with the project ("nano-vllm issues #207", "vLLM #7883"), tells a reader where to look.
+BARE_ISSUE = re.compile(r"(?<!nano-vllm )(?<!vLLM )\b(?:issues?|PRs?|pull requests?) #?\d+|(?<![\w-])\(#\d+\)", re.I)
+
+
+def path_and_issue_problems(doc: Path) -> list[str]:
+    """A reader's machine has none of the author's paths, and the docs' reader has no issue tracker."""
+    problems = []
+    for number, line in enumerate(doc.read_text().splitlines(), 1):
+        problems += [f"{name(doc)}:{number}: `{m[0]}` is one machine's path" for m in MACHINE_PATH.finditer(line)]
+        problems += [f"{name(doc)}:{number}: `{m[0]}` is a bare issue number" for m in BARE_ISSUE.finditer(line)]
+    return problems
+
+
+def test_docs_name_no_machine_paths_and_no_bare_issue_numbers(tmp_path):
+    assert not [p for doc in DOCS for p in path_and_issue_problems(doc)]
+    bad = tmp_path / "bad.md"
+    bad.write_text("python bench.py --vllm-python /work/vllm-venv/bin/python\n## Threads (issue 19)\nfixed (#12)\n"
+                   "the class of nano-vllm issues #207 and #211 (vLLM #7883 for V0), all-reduce #1\n")
+    assert [p.split(": ", 1)[1] for p in path_and_issue_problems(bad)] == [
+        "`/work/vllm-venv/bin/python` is one machine's path", "`issue 19` is a bare issue number",
+        "`(#12)` is a bare issue number"]

@@ -4,7 +4,7 @@ forwards ("torch") on every shape, and give the same greedy tokens as transforme
 import pytest
 import torch
 
-from conftest import ARCHS, hf_greedy, random_prompts
+from conftest import ARCHS, ROOMY_POOL, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config, pick_elementwise_backend
 from nanoserve.layers.activation import SiluAndMul
@@ -70,7 +70,7 @@ def test_rotary_embedding_equals_pytorch(tokens, head_dim, heads, kv_heads):
 def test_backend_equals_transformers(tiny_models, arch, backend):
     # Prompts of 1 to 40 tokens: prefill batches, decode batches, and a batch of one token (Dynamo specializes 1).
     prompts = random_prompts(6, seed=5, low=1, high=40)
-    llm = LLM(tiny_models[arch], block_size=16, elementwise_backend=backend)
+    llm = LLM(tiny_models[arch], block_size=16, elementwise_backend=backend, **ROOMY_POOL)
     model = llm.engine.executor.model_runner.model
     modules = [m for m in model.modules() if type(m) in CPU_FORWARDS]
     assert {type(m) for m in modules} == {RMSNorm, SiluAndMul, RotaryEmbedding}
@@ -85,7 +85,7 @@ def test_backend_equals_transformers(tiny_models, arch, backend):
 @needs_kernel
 def test_draft_model_gets_the_backend_too(tiny_models):
     path = tiny_models["qwen3"]
-    llm = LLM(path, block_size=16,
+    llm = LLM(path, block_size=16, **ROOMY_POOL,
               speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 2})
     runner = llm.engine.executor.model_runner
     for model in (runner.model, runner.draft_model):

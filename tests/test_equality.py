@@ -1,7 +1,7 @@
 """The backbone: greedy output equals Hugging Face transformers token for token (float32, CPU)."""
 import pytest
 
-from conftest import ARCHS, hf_greedy, random_prompts
+from conftest import ARCHS, ROOMY_POOL, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 
 MAX_TOKENS = 40
@@ -25,7 +25,7 @@ def references(tiny_models):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batch_equals_transformers(tiny_models, references, arch):
     prompts, expected = references[arch]["plain"]
-    llm = LLM(tiny_models[arch], block_size=16, enable_prefix_caching=False)
+    llm = LLM(tiny_models[arch], block_size=16, enable_prefix_caching=False, **ROOMY_POOL)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert completions(outputs) == expected
     assert [o.prompt_token_ids for o in outputs] == prompts
@@ -35,7 +35,7 @@ def test_batch_equals_transformers(tiny_models, references, arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_prefix_cache_hits_and_still_equals_transformers(tiny_models, references, arch):
     prompts, expected = references[arch]["shared"]
-    llm = LLM(tiny_models[arch], block_size=4)
+    llm = LLM(tiny_models[arch], block_size=4, **ROOMY_POOL)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert completions(first) == expected
     second = llm.generate(prompts, GREEDY, use_tqdm=False)  # every prompt is now in the cache

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from conftest import assert_within_ties, hf_greedy, random_prompts
+from conftest import ROOMY_POOL, assert_within_ties, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.linear import linear, reorder_for_cpu, reorders_for_onednn
 
@@ -52,7 +52,7 @@ def test_the_path_follows_the_capability_pytorch_reports(monkeypatch, capability
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen2"])  # tied and untied LM head
 def test_engine_runs_on_the_cpu_weights_with_transformers_greedy_output(tiny_models, arch):
-    llm = LLM(tiny_models[arch])
+    llm = LLM(tiny_models[arch], **ROOMY_POOL)
     model = llm.engine.model_runner.model
     linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
     assert linears and all(m.weight.is_mkldnn == reorders_for_onednn(torch.float32) for m in [*linears, model.lm_head])
@@ -68,8 +68,9 @@ from torch import nn
 from nanoserve import LLM, SamplingParams
 from nanoserve.layers.linear import reorders_for_onednn
 prompts, result = json.loads(sys.argv[2]), {"capability": torch.backends.cpu.get_cpu_capability()}
-for dtype in ("float32", "bfloat16"):
-    llm = LLM(sys.argv[1], dtype=dtype)
+for dtype in ("float32", "bfloat16"):  # (PyTorch's attention and elementwise ops: compiling the C++ kernels for
+    # AVX2 would take a minute, for nothing this test checks; CI's AVX2 pass tests those kernels themselves)
+    llm = LLM(sys.argv[1], dtype=dtype, num_kvcache_blocks=1024, attention_backend="torch", elementwise_backend="torch")
     model = llm.engine.model_runner.model
     weights = [m.weight for m in model.modules() if isinstance(m, nn.Linear)] + [model.lm_head.weight]
     result[dtype] = dict(reordered=[w.is_mkldnn for w in weights], onednn=reorders_for_onednn(getattr(torch, dtype)),

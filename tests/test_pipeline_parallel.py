@@ -146,24 +146,26 @@ def test_one_batch_in_flight_per_stage_and_no_request_in_two(models, prompts, ex
 
 def test_sigterm_leaves_no_worker(models, tmp_path):
     """A script with a 2-stage LLM killed by SIGTERM (no finalizers run): its worker sees the pipe close, exits."""
-    script = (f"import time\nfrom nanoserve import LLM\nllm = LLM({models['qwen3']!r}, pipeline_parallel_size=2)\n"
-              "print(llm.engine.executor.procs[0].pid, flush=True)\ntime.sleep(60)\n")
+    script = (f"import time\nfrom nanoserve import LLM\nllm = LLM({models['qwen3']!r}, pipeline_parallel_size=2, "
+              "num_kvcache_blocks=64)\n"
+              "print('worker', llm.engine.executor.procs[0].pid, flush=True)\ntime.sleep(60)\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
                             cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     try:
-        worker = int(proc.stdout.readline())
+        # (after what else it says: on a fresh cache, that it compiles the CPU kernels)
+        worker = int(next(line for line in proc.stdout if line.startswith("worker ")).split()[1])
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=10) == -signal.SIGTERM
+        assert proc.wait(timeout=60) == -signal.SIGTERM
     finally:
         proc.kill()
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # (at once when idle: a bound only a hang breaks, not a busy machine)
     while time.monotonic() < deadline and os.path.exists(f"/proc/{worker}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{worker}")
 
 
 @pytest.mark.parametrize("in_flight", [False, True])
-def test_a_killed_stage_raises_a_clear_error_within_seconds(models, in_flight):
+def test_a_killed_stage_raises_a_clear_error_at_once(models, in_flight):
     llm = LLM(models["qwen3"], pipeline_parallel_size=2, async_scheduling=in_flight, **OPTIONS)
     # The last stage has got the step when its worker dies: rank 0 waits for its logits.
     worker = assert_killed_worker_fails_fast(llm, random_prompts(4), GREEDY)

@@ -8,7 +8,7 @@ import random
 import pytest
 from test_scheduling_equality import BLOCK_BYTES, BLOCK_SIZE, COMBOS, run
 
-from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
+from conftest import ARCHS, ROOMY_POOL, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
@@ -75,7 +75,7 @@ def expected(tiny_models):
 def test_greedy_equals_transformers(tiny_models, other_draft, expected, proposer, arch, k):
     prompts, reference = expected
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
-    llm = LLM(tiny_models[arch], block_size=4,
+    llm = LLM(tiny_models[arch], block_size=4, **ROOMY_POOL,
               speculative_config=spec_config(proposer, k, tiny_models[arch], other_draft))
     assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == reference[arch]
     check_acceptance(proposer, llm.stats.spec_decoding, k)
@@ -131,10 +131,10 @@ def test_options_inside_an_accepted_run(tiny_models, proposer):
     """n > 1, logprobs, min_tokens, stop tokens and max_tokens landing inside a run of accepted drafts: the
     same tokens (and logprobs) as without speculation."""
     prompts = repetitive_prompts(4, seed=3)
-    plain = LLM(tiny_models["qwen3"], block_size=4)
+    plain = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL)
     ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     stop_ids = [ref[0].outputs[0].token_ids[5], ref[1].outputs[0].token_ids[3]]
-    llm = LLM(tiny_models["qwen3"], block_size=4,
+    llm = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL,
               speculative_config=spec_config(proposer, 5, tiny_models["qwen3"], tiny_models["qwen3"]))
     for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, logprobs=3),
                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=stop_ids, min_tokens=4),
@@ -157,14 +157,15 @@ def test_seeded_sampling_is_reproducible(tiny_models, other_draft, proposer):
     prompts = repetitive_prompts(4, seed=4)
     params = [SamplingParams(temperature=0.8, top_k=20, seed=i, max_tokens=MAX_TOKENS) for i in range(4)]
     spec = spec_config(proposer, 3, tiny_models["qwen3"], other_draft)
-    runs = [completions(LLM(tiny_models["qwen3"], block_size=4, speculative_config=spec)
+    runs = [completions(LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL, speculative_config=spec)
                         .generate(prompts, params, use_tqdm=False)) for _ in range(2)]
     assert runs[0] == runs[1]
 
 
 def test_disable_by_batch_size(tiny_models):
     prompts = repetitive_prompts(4, seed=5)
-    llm = LLM(tiny_models["qwen3"], block_size=4, speculative_config=ngram(3, disable_by_batch_size=2))
+    llm = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL,
+              speculative_config=ngram(3, disable_by_batch_size=2))
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert llm.stats.spec_decoding.num_drafts == 0  # four running requests, never more than two speculate
     llm.generate(prompts[:1], SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
@@ -205,7 +206,7 @@ def test_async_scheduling_equals_transformers(tiny_models, other_draft, expected
     """Async scheduling plans a step while the one before runs: a request whose newest token that step samples
     sits the planned step out, and runs (drafts and all) in the step after."""
     prompts, reference = expected
-    llm = LLM(tiny_models["qwen3"], block_size=4, async_scheduling=True,
+    llm = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL, async_scheduling=True,
               speculative_config=spec_config(proposer, k, tiny_models["qwen3"], other_draft))
     assert completions(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                                     use_tqdm=False)) == reference["qwen3"]
@@ -280,10 +281,10 @@ def test_tensor_parallel(tiny_models):
     """Two ranks: the verify step's 1 + k rows run on both, rank 0 verifies; the same tokens as one rank."""
     prompts = repetitive_prompts(4, seed=6)
     greedy = SamplingParams(temperature=0, max_tokens=16)
-    one = LLM(tiny_models["qwen3"], block_size=4)
+    one = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL)
     want = completions(one.generate(prompts, greedy, use_tqdm=False))
     del one
-    llm = LLM(tiny_models["qwen3"], block_size=4, tensor_parallel_size=2, speculative_config=ngram(3))
+    llm = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL, tensor_parallel_size=2, speculative_config=ngram(3))
     assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == want
     assert llm.stats.spec_decoding.num_accepted_tokens > 0
     del llm
@@ -297,7 +298,7 @@ def test_draft_model_tensor_parallel(tiny_models, other_draft, expected, propose
     as it runs a draft forward makes generate fail within seconds, naming it, instead of hanging in the draft's
     all-reduce."""
     prompts, reference = expected
-    llm = LLM(tiny_models["qwen3"], block_size=4, tensor_parallel_size=2, **options,
+    llm = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL, tensor_parallel_size=2, **options,
               speculative_config=spec_config(proposer, k, tiny_models["qwen3"], other_draft))
     greedy = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     assert completions(llm.generate(prompts, greedy, use_tqdm=False)) == reference["qwen3"]

@@ -110,7 +110,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
     assert no_process_left(procs)
 
 
-def test_swap_preemption_then_a_killed_worker_raises_a_clear_error_within_seconds(models):
+def test_swap_preemption_then_a_killed_worker_raises_a_clear_error_at_once(models):
     llm = LLM(models["qwen3"], tensor_parallel_size=N, preemption_mode="swap", **OPTIONS)
     prompts = random_prompts(8, seed=1)
     assert generate(llm, prompts)[0] == hf_greedy(models["qwen3"], prompts, GREEDY.max_tokens)
@@ -126,13 +126,14 @@ def test_failed_start_and_interpreter_exit_leave_no_process(models, tmp_path):
         LLM(models["qwen3"], tensor_parallel_size=N, cpu_kvcache_space=1e-9)
     assert no_process_left([])
     # A script that dies of an exception with a live tensor-parallel LLM: its worker exits with it.
-    script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N})\n"
+    script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N}, "
+              "num_kvcache_blocks=64)\n"
               "print(llm.engine.executor.procs[0].pid, flush=True)\nraise SystemExit('boom')\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 1 and "boom" in done.stderr
     pid = int(done.stdout.split()[-1])
-    deadline = time.perf_counter() + 5
+    deadline = time.perf_counter() + 30  # (at once when idle: a bound only a hang breaks, not a busy machine)
     while time.perf_counter() < deadline and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}")

