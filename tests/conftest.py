@@ -110,7 +110,7 @@ def assert_killed_worker_fails_fast(llm, prompts: list[list[int]], params):
     raise a clear error once it sees the worker's connection close instead of waiting, and the engine must stay
     dead, clearly.
     Returns the worker, for the caller to check it is gone."""
-    from nanoserve.engine.executor import TIMEOUT
+    from nanoserve.parallel.executor import TIMEOUT
 
     runner, worker = llm.engine.model_runner, llm.engine.executor.procs[0]
     run_model, calls = runner.run_model, []
