@@ -220,6 +220,9 @@ def input_messages(request: ResponsesRequest) -> list[ChatMessage]:
                 messages[-1].tool_calls.append(call)
             else:
                 messages.append(ChatMessage(role="assistant", tool_calls=[call]))
+        elif not any(isinstance(x, FunctionCallItem) and x.call_id == item.call_id for x in items[:i]):
+            raise APIError(400, f"input[{i}].call_id: {item.call_id!r} answers no function_call item before it",
+                           "input")
         else:
             messages.append(ChatMessage(role="tool", tool_call_id=item.call_id, content=item.output))
     return messages
@@ -241,12 +244,13 @@ def as_chat(request: ResponsesRequest) -> ChatCompletionRequest:
     messages = input_messages(request)
     if not messages:
         raise APIError(400, "input: nothing to answer (no items, no instructions)", "input")
+    temperature = 1.0 if request.temperature is None else request.temperature  # (OpenAI's defaults)
+    top_p = 1.0 if request.top_p is None else request.top_p
     return ChatCompletionRequest(
-        model=request.model, messages=messages,
-        tools=tools or None, tool_choice=choice, parallel_tool_calls=request.parallel_tool_calls,
-        max_completion_tokens=request.max_output_tokens, temperature=1.0 if request.temperature is None else
-        request.temperature, top_p=1.0 if request.top_p is None else request.top_p, response_format=response_format,
-        stream=request.stream, stream_options={"include_usage": True} if request.stream else None)
+        model=request.model, messages=messages, tools=tools or None, tool_choice=choice,
+        parallel_tool_calls=request.parallel_tool_calls, max_completion_tokens=request.max_output_tokens,
+        temperature=temperature, top_p=top_p, response_format=response_format, stream=request.stream,
+        stream_options={"include_usage": True} if request.stream else None)  # (response.completed's usage)
 
 
 # The chat route's errors name chat's fields: the client wrote this API's.

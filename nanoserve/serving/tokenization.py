@@ -19,7 +19,7 @@ from nanoserve.serving.tool_messages import conversation
 
 
 def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None = None,
-                add_generation_prompt: bool = True) -> list[int]:
+                add_generation_prompt: bool = True, add_special_tokens: bool = False) -> list[int]:
     """The messages (tool calls and results too: serving/tool_messages.py) through the model's chat template,
     which shows the tools to the model if it knows them."""
     if tokenizer is None:
@@ -32,7 +32,7 @@ def render_chat(tokenizer, messages: list[ChatMessage], tools: list[Tool] | None
     except Exception as e:  # the template's own checks (jinja2 raises for roles it does not know)
         raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e
     # As in LLM.chat: the template already holds any special tokens, so encode must not add them again.
-    return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 class TokenizeRequest(RequestModel):
@@ -81,10 +81,8 @@ def tokenize(request: TokenizeRequest, tokenizer) -> list[int]:
             raise APIError(400, f"{field}: only with messages", field)
         # as /v1/completions encodes a text (LLM's prompt_token_ids), unless asked without special tokens
         return tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens is not False)
-    ids = render_chat(tokenizer, request.messages, request.tools, request.add_generation_prompt)
-    if request.add_special_tokens:  # (a template that lacks the BOS the tokenizer would add)
-        ids = tokenizer.build_inputs_with_special_tokens(ids)
-    return ids
+    return render_chat(tokenizer, request.messages, request.tools, request.add_generation_prompt,
+                       add_special_tokens=bool(request.add_special_tokens))
 
 
 def tokenizer_settings(tokenizer) -> dict:
