@@ -330,12 +330,12 @@ def bodies(draw, schema: dict, components: dict):
     elif isinstance(body, dict) and how == "unknown":
         body[draw(st.text(min_size=1, max_size=8))] = draw(JSON)
     if isinstance(body, dict):
-        length = next((name for name in LENGTHS if name in schema_properties(schema, components)), None)
-        if length and not (isinstance(body.get(length), int) and body[length] <= 2):
-            body[length] = draw(st.integers(0, 2))
-        for name in ("n", "best_of"):
+        for name in ("n", "best_of", *LENGTHS):
             if isinstance(body.get(name), int) and body[name] > 2:
                 body[name] = 2
+        length = next((name for name in LENGTHS if name in schema_properties(schema, components)), None)
+        if length and length not in body:  # (else up to max_model_len)
+            body[length] = draw(st.integers(1, 2))
     return body
 
 
