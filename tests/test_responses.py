@@ -347,12 +347,17 @@ def schema_properties(schema: dict, components: dict) -> dict:
 
 def test_openapi_fuzzer_finds_no_5xx(server):
     """Every POST route of the server's own OpenAPI schema, fed bodies generated from that schema (fitting, or
-    broken in one place): each answer is below 500, and the server's GET routes answer 200."""
+    broken in one place): each answer is below 500, a 200 fits the route's response schema, and the server's GET
+    routes answer 200."""
+    jsonschema = pytest.importorskip("jsonschema")
     document = httpx.get(f"{server.url}/openapi.json").json()
     components = document["components"]["schemas"]
     routes = {path: op["post"]["requestBody"]["content"]["application/json"]["schema"]
               for path, op in document["paths"].items() if "post" in op and "requestBody" in op["post"]}
+    answers = {path: {**document["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]["schema"],
+                      "components": document["components"]} for path in routes}  # (its $refs resolve there)
     assert {"/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize", "/detokenize"} <= set(routes)
+    assert all(answers[path]["$ref"] for path in ("/v1/responses", "/tokenize", "/detokenize"))  # their shapes
     for path, op in document["paths"].items():
         if "get" in op and path not in ("/debug/steps",):
             assert httpx.get(f"{server.url}{path}", headers=AUTH, timeout=30).status_code == 200, path
@@ -366,6 +371,8 @@ def test_openapi_fuzzer_finds_no_5xx(server):
         assert response.status_code < 500, (path, body, response.text)
         if isinstance(body, dict) and body.get("stream") is True and response.status_code == 200:
             assert '"server_error"' not in response.text, (path, body, response.text)
+        elif response.status_code == 200:
+            jsonschema.validate(response.json(), answers[path])
 
     for path in sorted(routes):
         fuzz(path)
