@@ -60,7 +60,9 @@ ELSEWHERE = {  # names the docs quote that belong to other projects or to the sh
     "cores": "a formula's count of CPU cores (docs/parallelism.md)",
     "uptime": "the shell command whose load average the benchmarks report",
     "EventSource": "the browser's API for server-sent events, which nanoserve/serving/dashboard.html uses",
-    "null": "JSON's None", "true": "JSON's True",
+    "null": "JSON's None", "true": "JSON's True", "false": "JSON's False",
+    **{name: "an OpenAI request field or tool that nanoserve refuses with a 400 (docs/serving.md)" for name in (
+        "logit_bias", "reasoning", "include", "background", "truncation", "web_search", "file_search")},
     "NaN": "what Python's JSON reader takes for a float NaN", "Infinity": "and for infinity",
     "OMP_WAIT_POLICY": "OpenMP's environment variable",
     "ATEN_CPU_CAPABILITY": "PyTorch's environment variable that picks the instructions of its CPU kernels (AVX2 runs)",
@@ -445,7 +447,8 @@ def inline_problems(text: str, doc: Path, index: Index) -> list[str]:
         flag = text.split()[0].split("=")[0]
         if not any(flag in flags for flags in index.flags.values()):
             problems = [f"no program of nanoserve has the flag {flag}"]
-    elif m := re.match(r"^(?:GET |POST )?(/(?:v1|health|metrics|dashboard|debug)[\w/]*)$", text):
+    elif m := re.match(r"^(?:GET |POST )?(/(?:v1|health|metrics|dashboard|debug|tokenize|detokenize|version|"
+                       r"tokenizer_info)[\w/]*)$", text):
         routes = {s for s in index.strings if s.startswith("/")}
         if m[1] not in routes | {"/v1" + r for r in routes}:
             problems = [f"the server has no route {m[1]}"]

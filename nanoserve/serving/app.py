@@ -4,13 +4,13 @@ A request's path: FastAPI parses the JSON into a `protocol` model (400 if it doe
 the prompt or the chat messages into token ids and the fields into a `SamplingParams`, and the engine checks
 them (400 if it refuses) -> one `engine.generate(...)` stream per prompt; the engine core's busy loop puts the
 request into its scheduler's waiting queue and, step after step, sends back the newly decoded text (DELTA
-outputs) -> the route forwards each piece as a server-sent event, or gathers them into one JSON answer.
-A client that goes away cancels the task that iterates its stream, which aborts the request in the engine.
-Beside it: beam.py (`use_beam_search`: engine.beam_search instead), echo.py, structured.py, logprobs.py,
-errors.py (every error in OpenAI's shape), metrics.py, dashboard.py.
+outputs) -> the route forwards each piece as a server-sent event, or gathers them into one JSON answer
+(answers.py). A client that goes away cancels the task that iterates its stream, which aborts the request.
+Beside it: responses.py (the Responses API, answered by the chat route), tokenization.py (the chat template,
+/tokenize and vLLM's other utility routes), beam.py (`use_beam_search`: engine.beam_search instead), echo.py,
+structured.py, logprobs.py, errors.py (every error in OpenAI's shape), metrics.py, dashboard.py.
 """
 import asyncio
-import json
 import uuid
 from collections.abc import AsyncIterator
 from time import perf_counter
@@ -22,30 +22,21 @@ from fastapi.responses import StreamingResponse
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
+from nanoserve.serving.answers import Chunks, Outputs, collect, server_sent_events, stream_chunks
 from nanoserve.serving.beam import beam_search_streams, check_beam_fields
 from nanoserve.serving.dashboard import add_dashboard
 from nanoserve.serving.echo import Echo, generate_nothing, make_echo
 from nanoserve.serving.errors import APIKeyMiddleware, add_error_handlers
 from nanoserve.serving.logprobs import LogprobsFormat
 from nanoserve.serving.metrics import Metrics
-from nanoserve.serving.protocol import (
-    APIError,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionRequest,
-    CompletionChoice,
-    CompletionRequest,
-    DeltaMessage,
-    Response,
-    SamplingRequest,
-    Usage,
-)
-from nanoserve.serving.structured import chat_tools, structured_outputs_params, with_tool_calls
-from nanoserve.serving.tool_messages import conversation
+from nanoserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, Response, SamplingRequest
+from nanoserve.serving.responses import add_responses
+from nanoserve.serving.structured import structured_outputs_params, with_tool_calls
+from nanoserve.serving.tokenization import add_tokenization_routes, render_chat
 from nanoserve.serving.tool_stream import ToolCallStream
 from nanoserve.structured_outputs import StructuredOutputsParams
 
-Outputs = AsyncIterator[tuple[int, RequestOutput]]  # (prompt index, delta output), in the order they come
+Answer = Response | Chunks | HTTPResponse  # whole, streamed, or 499 (the client went away before the answer)
 
 
 # ---- from the request to the engine ----------------------------------------------------------------
@@ -121,75 +112,6 @@ async def merge(streams: list[AsyncIterator[RequestOutput]], shutting_down: asyn
             task.cancel()
 
 
-# ---- from the engine back to the client -------------------------------------------------------------
-def make_choice(chat: bool, stream: bool, index: int, text: str, finish_reason=None, stop_reason=None,
-                logprobs=None):
-    kw = dict(index=index, finish_reason=finish_reason, stop_reason=stop_reason, logprobs=logprobs)
-    if not chat:
-        return CompletionChoice(text=text, **kw)
-    if stream:
-        return ChatChunkChoice(delta=DeltaMessage(content=text), **kw)
-    return ChatChoice(message=DeltaMessage(role="assistant", content=text), **kw)
-
-
-async def collect(outputs: Outputs, header: dict, chat: bool, n: int, logprobs: LogprobsFormat | None,
-                  echo: Echo | None) -> Response:
-    """The whole answer at once: the deltas of each prompt's n sequences joined, choice i * n + j."""
-    texts, token_ids, lps, endings, num_tokens, usage = {}, {}, {}, {}, {}, Usage()
-    async for i, out in outputs:
-        c = out.outputs[0]
-        num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
-        index = i * n + c.index
-        shown = echo.prepend(i, out, c) if echo and index not in texts else c
-        texts[index] = texts.get(index, "") + shown.text
-        token_ids.setdefault(index, []).extend(shown.token_ids)
-        lps.setdefault(index, []).extend(shown.logprobs or [])
-        endings[index] = (c.finish_reason, c.stop_reason)
-        if out.finished:
-            usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
-    choices = [make_choice(chat, False, j, texts[j], *endings[j], logprobs and logprobs(token_ids[j], lps[j]))
-               for j in sorted(texts)]
-    return Response(**header, choices=choices, usage=usage)
-
-
-def event(response: Response | dict | str) -> str:
-    data = response.model_dump_json() if isinstance(response, Response) else \
-        response if isinstance(response, str) else json.dumps(response)
-    return f"data: {data}\n\n"
-
-
-async def stream_events(outputs: Outputs, header: dict, chat: bool, num_choices: int, n: int,
-                        logprobs: LogprobsFormat | None, include_usage: bool, echo: Echo | None,
-                        tool_calls: ToolCallStream | None = None) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per delta (choice i * n + j), a last one per choice with finish_reason, usage
-    if asked, then [DONE]. tool_calls: turns the text into tool-call deltas (serving/tool_stream.py)."""
-    num_tokens, text_lens, usage = {}, {}, Usage()
-    try:
-        if chat:  # OpenAI's first chunk names the role
-            choices = [ChatChunkChoice(index=j, delta=DeltaMessage(role="assistant", content=""))
-                       for j in range(num_choices)]
-            yield event(Response(**header, choices=choices))
-        async for i, out in outputs:
-            c = out.outputs[0]
-            num_tokens[i] = num_tokens.get(i, 0) + len(c.token_ids)
-            index = i * n + c.index
-            shown = echo.prepend(i, out, c) if echo and index not in text_lens else c  # (the first chunk)
-            if shown.text or c.finish_reason or shown.logprobs:
-                lps = logprobs and logprobs(shown.token_ids, shown.logprobs or [], text_lens.get(index, 0))
-                choice = make_choice(chat, True, index, shown.text, c.finish_reason, c.stop_reason, lps)
-                if tool_calls is None or tool_calls.rewrite(choice):
-                    yield event(Response(**header, choices=[choice]))
-            text_lens[index] = text_lens.get(index, 0) + len(shown.text)
-            if out.finished:
-                usage.add(len(out.prompt_token_ids), num_tokens[i], out.num_cached_tokens)
-        if include_usage:
-            yield event(Response(**header, choices=[], usage=usage))
-    except Exception as e:  # the status line is sent already: report the error in the stream, as vLLM does
-        error = e if isinstance(e, APIError) else APIError(500, f"{type(e).__name__}: {e}", type="server_error")
-        yield event(error.body())
-    yield event("[DONE]")
-
-
 async def cancel_on_disconnect(work, raw: Request):
     """Run `work` (a non-streamed answer) unless the client disconnects first; then cancel it (aborting)."""
     async def disconnected() -> None:
@@ -246,7 +168,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         return merge([metrics.observe(stream, arrival) for stream in streams], app.state.shutting_down)
 
     async def answer(request: SamplingRequest, raw: Request, prompts: list[list[int]], max_tokens: int | None,
-                     chat: bool, echo: Echo | None = None):
+                     chat: bool, echo: Echo | None = None) -> Answer:
         outputs = start(request, prompts, 1 if echo and echo.score_only else max_tokens)
         if echo and echo.score_only:
             outputs = generate_nothing(outputs)
@@ -258,11 +180,16 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         logprobs = None if k is None else LogprobsFormat(tokenizer, chat, k)
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
-            events = stream_events(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage,
-                                   echo, ToolCallStream.of(request, tool_call_parser))
-            return StreamingResponse(events, media_type="text/event-stream")
+            return stream_chunks(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage,
+                                 echo, ToolCallStream.of(request, tool_call_parser))
         response = await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs, echo), raw)
-        return with_tool_calls(response, request, tool_call_parser) if chat else response
+        if chat and isinstance(response, Response):
+            return with_tool_calls(response, request, tool_call_parser)
+        return response
+
+    def reply(request: SamplingRequest, answer: Answer):
+        return StreamingResponse(server_sent_events(answer), media_type="text/event-stream") if request.stream \
+            else answer
 
     @v1.post("/completions")
     async def completions(request: CompletionRequest, raw: Request):
@@ -274,22 +201,18 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         except ValueError as e:
             raise as_api_error(e, request) from e
         echo = make_echo(request, prompts, token_ids, tokenizer)
-        return await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False, echo=echo)
+        return reply(request, await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False, echo=echo))
+
+    async def chat(request: ChatCompletionRequest, raw: Request) -> Answer:
+        token_ids = render_chat(tokenizer, request.messages, request.tools)
+        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
+        return await answer(request, raw, [token_ids], max_tokens, chat=True)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: ChatCompletionRequest, raw: Request):
-        if tokenizer is None:
-            raise APIError(400, "messages: this model folder has no tokenizer, so no chat template", "messages")
-        messages = conversation(request.messages, tokenizer.chat_template)  # tool calls and results too
-        try:
-            text = tokenizer.apply_chat_template(messages, tools=chat_tools(request), tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (jinja2 raises for roles it does not know)
-            raise APIError(400, f"messages: the chat template refused them: {e}", "messages") from e
-        # As in LLM.chat: the template already holds any special tokens, so encode must not add them again.
-        token_ids = tokenizer.encode(text, add_special_tokens=False)
-        max_tokens = request.max_tokens if request.max_completion_tokens is None else request.max_completion_tokens
-        return await answer(request, raw, [token_ids], max_tokens, chat=True)
+        return reply(request, await chat(request, raw))
+
+    add_responses(v1, chat, model_name)  # POST /v1/responses
 
     @v1.get("/models")
     async def models():
@@ -306,6 +229,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
     async def prometheus_metrics():
         return HTTPResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    add_tokenization_routes(app, tokenizer, model_name, config.max_model_len)  # /tokenize, /version, ...
     if dashboard:
         add_dashboard(app, engine, model_name, api_key)
     add_error_handlers(app)

@@ -46,4 +46,6 @@ def describe(error: dict) -> str:
     """One of pydantic's validation errors as a line that names the field."""
     if error["type"] == "json_invalid":
         return f"body: malformed JSON at character {error['loc'][-1]}: {error.get('ctx', {}).get('error', '')}"
+    if error["type"] == "extra_forbidden":  # (protocol.RequestModel)
+        return f"{'.'.join(map(str, error['loc'][1:]))}: nanoserve does not support this field"
     return f"{'.'.join(map(str, error['loc'][1:])) or 'body'}: {error['msg']}"

@@ -2,7 +2,9 @@
 
 Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p, repetition_penalty, min_tokens,
 ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs, and use_beam_search with
-best_of, length_penalty, early_stopping: nanoserve/serving/beam.py).
+best_of, length_penalty, early_stopping: nanoserve/serving/beam.py). A request with any other field is a 400 naming
+it (`extra="forbid"`): a field the server would drop silently is a promise it would break silently.
+The Responses API's models are in serving/responses.py, the utility routes' in serving/tokenization.py.
 """
 import time
 from typing import Literal
@@ -13,15 +15,20 @@ MAX_LOGPROBS = 20  # the most likely tokens a response may list per position (vL
 
 
 # ---- requests ---------------------------------------------------------------------------------
-class StreamOptions(BaseModel):
+class RequestModel(BaseModel):
+    """What a client sends: an unknown field is refused, naming it, rather than ignored. Python's JSON reader takes
+    NaN and Infinity (and 1e999 is infinity): a 400 naming the field, not a number."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="forbid")
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False  # a last chunk with `usage` and no choices
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(RequestModel):
     """The fields completions and chat share: which model, how to sample, when to stop, how to answer."""
 
-    # Python's JSON reader takes NaN and Infinity (and 1e999 is infinity): a 400 naming the field, not a number
-    model_config = ConfigDict(allow_inf_nan=False)
     model: str | None = None  # None: the served model
     max_tokens: int | None = None  # None: up to max_model_len, as in vLLM
     temperature: float = 1.0
@@ -68,17 +75,17 @@ class CompletionRequest(SamplingRequest):
         return self.logprobs if self.echo else None
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ToolCallFunction(BaseModel):
+class ToolCallFunction(RequestModel):
     name: str
     arguments: str  # the arguments as JSON text
 
 
-class ToolCall(BaseModel):
+class ToolCall(RequestModel):
     """A call the assistant made: in a response's message, and in the chat history a client sends back."""
 
     id: str
@@ -86,7 +93,7 @@ class ToolCall(BaseModel):
     function: ToolCallFunction
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     role: str
     content: str | list[TextPart] | None = None
     tool_calls: list[ToolCall] | None = None  # role "assistant": the calls it made (content may be null then)
@@ -98,13 +105,16 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ToolFunction(BaseModel):
+class ToolFunction(RequestModel):
     name: str
     description: str | None = None
     parameters: dict = Field(default_factory=lambda: {"type": "object", "properties": {}})  # a JSON schema
+    # OpenAI's "the arguments match the schema": what "required" and a named function do always (the grammar);
+    # under "auto" the parser reads what the model wrote, as vLLM's does (docs/serving.md)
+    strict: bool | None = None
 
 
-class Tool(BaseModel):
+class Tool(RequestModel):
     type: Literal["function"] = "function"
     function: ToolFunction
 
@@ -113,6 +123,7 @@ class ChatCompletionRequest(SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     tools: list[Tool] | None = None
     tool_choice: str | dict | None = None  # "none", "auto" (default with tools), "required" or a named function
+    parallel_tool_calls: bool = True  # false: at most one call (the grammar allows one; "auto": the first is kept)
     max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; wins when both are set
     logprobs: bool = False  # per token: its logprob, and the top_logprobs most likely ones
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)

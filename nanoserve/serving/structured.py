@@ -7,6 +7,8 @@
   of the tools' argument schemas each; a named function: to that function's argument schema alone.
 - `tool_choice` "auto" (the server started with --enable-auto-tool-choice --tool-call-parser hermes): the output
   is free; the hermes parser takes each <tool_call>{"name": ..., "arguments": {...}}</tool_call> out of the text.
+- `parallel_tool_calls: false`: at most one call. "required" constrains the list to one item (a named function
+  is one call anyway); under "auto" the output is free, so only the first call found is returned.
 Streamed, the calls come as deltas (serving/tool_stream.py); calls in the chat history: serving/tool_messages.py.
 """
 import json
@@ -92,12 +94,8 @@ def tools_schema(request: ChatCompletionRequest) -> dict:
         return next(t.function.parameters for t in request.tools if t.function.name == name)
     calls = [{"type": "object", "properties": {"name": {"const": t.function.name}, "parameters": t.function.parameters},
               "required": ["name", "parameters"]} for t in request.tools]
-    return {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
-
-
-def chat_tools(request: ChatCompletionRequest) -> list[dict] | None:
-    """The tools as the chat template takes them (a template that knows tools shows them to the model)."""
-    return [t.model_dump() for t in request.tools] if request.tools else None
+    one_call = {} if request.parallel_tool_calls else {"maxItems": 1}  # else a greedy model may repeat a call forever
+    return {"type": "array", "minItems": 1, **one_call, "items": {"anyOf": calls}}
 
 
 def with_tool_calls(response: Response, request: ChatCompletionRequest, tool_call_parser: str | None) -> Response:
@@ -110,6 +108,7 @@ def with_tool_calls(response: Response, request: ChatCompletionRequest, tool_cal
         text = choice.message.content or ""
         if mode == "auto":
             calls, content = parse_hermes(text)
+            calls = calls if request.parallel_tool_calls else calls[:1]
         elif choice.finish_reason != "stop":  # cut off by max_tokens: no whole call to return; the text stays
             continue
         elif mode == "named":

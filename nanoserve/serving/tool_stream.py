@@ -110,7 +110,7 @@ class ToolCallStream:
     """Rewrites a streamed chat request's chunks (one per choice's delta) when its tools are answered as calls."""
 
     def __init__(self, request: ChatCompletionRequest, mode: str):
-        self.mode = mode
+        self.mode, self.parallel = mode, request.parallel_tool_calls
         self.name = request.tool_choice["function"]["name"] if mode == "named" else None
         self.choices: dict[int, ChoiceStream] = {}
 
@@ -127,7 +127,8 @@ class ToolCallStream:
             return "", [(self.name, text)]
         if self.mode == "required":
             return "", required_calls(text)
-        return auto_calls(text)
+        content, calls = auto_calls(text)
+        return content, calls if self.parallel else calls[:1]  # ("required": the grammar allows one call)
 
     def rewrite(self, choice: ChatChunkChoice) -> bool:
         """Turn the chunk's text delta into content and tool_calls deltas, in place; the finish_reason "stop" of a
