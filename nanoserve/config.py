@@ -26,16 +26,24 @@ def pick_attention_backend(name: str, device: str, dtype: str, kv_cache_dtype: s
         return next((b for b in usable if installed[b]), "torch")
     if name == "auto":
         return "cpu" if cpu_kernel_runs("paged_attention_cpu", device, dtype) else "torch"
-    if name in installed and not installed[name]:
+    if name == "flash_attn" and not installed[name]:
         raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
     if name == "flash_attn" and device != "cuda":
         raise ValueError(f"attention_backend='flash_attn' needs CUDA, but device is {device!r}")
-    if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
-                         "tests): export TRITON_INTERPRET=1 before starting Python")
+    if name == "triton":
+        check_triton("attention_backend", device)
     if name == "cpu":
         check_cpu_kernel("attention_backend", "paged_attention_cpu", device, dtype)
     return name
+
+
+def check_triton(field: str, device: str) -> None:
+    """field='triton' asks for Triton kernels: installed, and on CUDA or (slowly, for tests) Triton's interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{field}='triton', but triton is not installed")
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{field}='triton' on device {device!r} needs Triton's interpreter (slow, for tests): "
+                         "export TRITON_INTERPRET=1 before starting Python")
 
 
 def cpu_kernel_runs(source: str, device: str, dtype: str) -> bool:
@@ -53,14 +61,19 @@ def check_cpu_kernel(field: str, source: str, device: str, dtype: str) -> None:
 
 def pick_elementwise_backend(name: str, device: str, dtype: str) -> str:
     """RMSNorm, SwiGLU and RoPE (layers/elementwise_backend.py): "torch" (eager, the code to read), "cpu" (C++,
-    one pass each), "compile" (torch.compile). "auto": "cpu" on the CPU in float32 where it builds, else "torch"."""
-    choices = ("auto", "torch", "cpu", "compile")
+    one pass each), "triton" (one kernel each), "compile" (torch.compile). "auto": "triton" on CUDA where it is
+    installed; "cpu" on the CPU in float32 where it builds; else "torch"."""
+    choices = ("auto", "torch", "cpu", "triton", "compile")
     if name not in choices:
         raise ValueError(f"elementwise_backend must be one of {choices}, got {name!r}")
+    if name == "auto" and device == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
     if name == "auto":
         return "cpu" if cpu_kernel_runs("elementwise_cpu", device, dtype) else "torch"
     if name == "cpu":
         check_cpu_kernel("elementwise_backend", "elementwise_cpu", device, dtype)
+    if name == "triton":
+        check_triton("elementwise_backend", device)
     if name == "compile" and device != "cpu":
         raise ValueError(f"elementwise_backend='compile' is for the CPU (not tried with CUDA graphs), got device "
                          f"{device!r}")
@@ -134,7 +147,7 @@ class Config:
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
-    elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu", "triton", "compile", "torch"; "auto": fused
+    elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu", "triton", "compile" or "torch"; "auto": fused
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3, half of bfloat16's bytes (vLLM's name)
     device: str = "auto"  # "auto": CUDA when available, else CPU

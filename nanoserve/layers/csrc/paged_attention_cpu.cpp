@@ -32,7 +32,8 @@ static void prefetch(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-constexpr float FP8_MAX = 448.f;  // the largest finite e4m3 value: larger ones saturate, as in vLLM's kernels
+// The largest finite e4m3 value: larger ones saturate, as in vLLM's kernels (c10 before PyTorch 2.13 made them NaN).
+constexpr float FP8_MAX = 448.f;
 // The float value of each of the 256 e4m3 bytes.
 static const std::array<float, 256> FP8_TO_FLOAT = [] {
   std::array<float, 256> table;
