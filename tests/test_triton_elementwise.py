@@ -7,7 +7,7 @@ import torch
 
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import Config
+from nanoserve.config import Config, pick_elementwise_backend
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.elementwise_backend import TRITON_FORWARDS
 from nanoserve.layers.layernorm import RMSNorm
@@ -87,5 +87,4 @@ def test_backend_choice(tiny_models, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="elementwise_backend='triton' on device 'cpu' needs Triton's interpreter"):
         Config(path, device="cpu", elementwise_backend="triton")
-    if torch.cuda.is_available():
-        assert Config(path).elementwise_backend == "triton"  # "auto" on CUDA
+    assert pick_elementwise_backend("auto", "cuda", "bfloat16") == "triton"
