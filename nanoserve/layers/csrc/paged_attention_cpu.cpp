@@ -34,14 +34,25 @@ static void prefetch(const char* p, int64_t bytes) {
 
 // The largest finite e4m3 value: larger ones saturate, as in vLLM's kernels (c10 before PyTorch 2.13 made them NaN).
 constexpr float FP8_MAX = 448.f;
-// An e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits) as a float: its bits moved into a float32's
-// sign, low exponent and high mantissa bits give the value times 2^-120 (subnormals included), which one multiply
-// puts right. Shifts, masks and a multiply: the compiler vectorizes the loop (a table lookup would not).
+// An e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits) as a float, in integer steps without branches,
+// which the compiler vectorizes (a table lookup it would not). A normal value's bits move into a float32's, whose
+// exponent bias is 127: 120 more. A subnormal one (exponent bits 0) is its mantissa x 2^-9, computed as a normal
+// float: a float32 subnormal in between would cost a microcode assist per vector, many times the loop's own time.
+static inline uint32_t float_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  return bits;
+}
+
 static inline float fp8_to_float(uint8_t b) {
-  const uint32_t bits = (uint32_t(b & 0x80) << 24) | (uint32_t(b & 0x7F) << 20);
+  const uint32_t sign = uint32_t(b & 0x80) << 24, exponent_mantissa = b & 0x7F;
+  const uint32_t normal = (exponent_mantissa << 20) + (120u << 23);
+  const uint32_t subnormal = float_bits(float(exponent_mantissa) * 0x1p-9f);
+  const uint32_t is_normal = 0u - uint32_t(exponent_mantissa >= 8);  // all ones or all zeros: a select, no branch
+  const uint32_t bits = sign | (normal & is_normal) | (subnormal & ~is_normal);
   float f;
   std::memcpy(&f, &bits, sizeof f);
-  return f * 0x1p120f;
+  return f;
 }
 
 // The `n` values at element `offset` of a cache as floats: in place in a float32 cache; an fp8 cache's converted
