@@ -4,8 +4,8 @@ summed into attention, elementwise (norms, RoPE, SwiGLU, copies), matmuls and th
     python benchmarks/profile_decode.py --model benchmarks/qwen3-0.6b --random-weights --num-seqs 256
     python benchmarks/profile_decode.py --elementwise-backend torch   # the unfused chains, for comparison
 
-Eager (enforce_eager=True): the profiler sees each kernel a CUDA graph would replay. On the CPU it profiles the
-CPU ops instead (the categories then name PyTorch ops and nanoserve's C++ kernels).
+Eager (enforce_eager=True): the profiler sees each kernel a CUDA graph would replay. On the CPU it lists PyTorch's
+CPU ops instead, and misses nanoserve's C++ kernels (called through pybind, not as PyTorch ops): a GPU tool.
 """
 import argparse
 import sys
@@ -18,6 +18,7 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 
 # isort: split
 import torch  # noqa: E402
+from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
@@ -70,8 +71,10 @@ def main() -> None:
                 engine.step_fn()
             if cuda:
                 torch.cuda.synchronize()
-    device_time = "device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if getattr(e, device_time) > 0]
+    # Each kernel's own time (a CPU op's device time would count its kernels a second time)
+    device_time = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if getattr(e, device_time) > 0
+              and (not cuda or e.device_type == DeviceType.CUDA)]
     totals: dict[str, float] = {}
     for e in events:
         totals[category(e.key)] = totals.get(category(e.key), 0.0) + getattr(e, device_time)
