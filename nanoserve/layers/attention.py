@@ -30,8 +30,8 @@ FP8_MAX = 448.0  # the largest finite float8 e4m3 value
 
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """x as the cache stores it. To fp8 (kv_cache_dtype="fp8"): saturated at +-448 as vLLM's kernels do (PyTorch
-    before 2.13 casts values past 480 to NaN), then rounded to the nearest e4m3 value."""
+    """x as the cache stores it. To fp8 (kv_cache_dtype="fp8"): saturated at +-448 as vLLM's kernels do (older
+    PyTorch versions cast values past 480 to NaN), then rounded to the nearest e4m3 value."""
     if dtype == torch.float8_e4m3fn:
         x = x.clamp(-FP8_MAX, FP8_MAX)
     return x.to(dtype)

@@ -32,10 +32,10 @@ static void prefetch(const char* p, int64_t bytes) {
   for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
 }
 
-// The largest finite e4m3 value: larger ones saturate, as in vLLM's kernels (c10 before PyTorch 2.13 made them NaN).
+// The largest finite e4m3 value: larger ones saturate, as in vLLM's kernels (older versions of c10 made them NaN).
 constexpr float FP8_MAX = 448.f;
-// An e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits) as a float, in integer steps without branches,
-// which the compiler vectorizes (a table lookup it would not). A normal value's bits move into a float32's, whose
+// An e4m3 byte (sign, 4 exponent bits with bias 7, 3 mantissa bits) as a float, in integer steps without branches
+// that the compiler vectorizes (a table lookup it does not). A normal value's bits move into a float32's, whose
 // exponent bias is 127: 120 more. A subnormal one (exponent bits 0) is its mantissa x 2^-9, computed as a normal
 // float: a float32 subnormal in between would cost a microcode assist per vector, many times the loop's own time.
 static inline uint32_t float_bits(float f) {
