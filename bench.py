@@ -20,6 +20,11 @@ run by benchmarks/vllm_peer.py in vLLM's own interpreter, `--vllm-python`).
 
 Timing lives here, not in the engine: bench.py drives `llm.engine` step by step (as LLM.generate
 does) to timestamp each request's tokens, and wraps `model_runner.run_model` to time the forward.
+
+Decoding is bound by memory: every step reads all the weights and every sequence's cached K/V. bench.py counts
+those bytes each step, divides them by the forward's time (GB/s, as gpt-fast reports them) and by the memory
+bandwidth it measures first on this device (a sum over a buffer far larger than the caches): the share of the
+machine's limit that the forward reaches.
 """
 import argparse
 import ctypes.util
@@ -57,6 +62,7 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
+from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import linear, reorder_for_cpu
 from nanoserve.utils.default_model import find_default_gguf, resolve_model
 
@@ -138,6 +144,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention-backend", default="auto",
                    help="comma-separated: nanoserve runs with the first (auto, cpu, torch, triton, flash_attn), then "
                         "once more with each other one, in its first dtype (default: auto, the engine's choice)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="comma-separated, as --attention-backend: the KV cache's dtype, auto (the model's) or fp8")
     p.add_argument("--block-size", type=int, help="nanoserve KV block size (default: the engine's)")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's, one per core)")
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="nanoserve: ranks (processes) per layer")
@@ -154,6 +162,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.dtypes = args.dtype.split(",")
     args.attention_backends = args.attention_backend.split(",")
     args.elementwise_backends = args.elementwise_backend.split(",")
+    args.kv_cache_dtypes = args.kv_cache_dtype.split(",")
     args.peers = [] if args.no_transformers or args.peer == "none" else args.peer.split(",")
     for name in args.peers:
         if name not in PEERS:
@@ -202,13 +211,16 @@ def sync(device: torch.device) -> None:
 
 
 # ---- nanoserve --------------------------------------------------------------------------------
-def time_forward(runner) -> tuple[Callable[[], list[float]], list[tuple[int, int]]]:
+def time_forward(runner) -> tuple[Callable[[], list[float]], list[tuple[int, int]], Callable[[], int]]:
     """Wrap runner.run_model (model forward + logits) to time each call and note its shape (rows in the
-    batch, rows that get logits). Returns a function that gives the durations after the run, and the shapes.
+    batch, rows that get logits). Returns a function that gives the durations after the run, the shapes, and
+    a function that gives the tokens of cached K/V the steps read (their context lengths, summed).
     On CUDA, events recorded around each call time it on the GPU without waiting for it: a host sync here
-    would stop async scheduling from planning the next step while the GPU runs this one."""
+    would stop async scheduling from planning the next step while the GPU runs this one. For the same reason
+    the context lengths are summed on the device and read back after the run."""
     marks: list[tuple] = []
     shapes: list[tuple[int, int]] = []
+    context_tokens: list[torch.Tensor] = []
     run_model, cuda = runner.run_model, runner.device.type == "cuda"
 
     def mark():
@@ -223,6 +235,7 @@ def time_forward(runner) -> tuple[Callable[[], list[float]], list[tuple[int, int
         out = run_model(input_ids, positions, meta, logits_rows)
         marks.append((start, mark()))
         shapes.append((input_ids.shape[0], logits_rows.shape[0]))
+        context_tokens.append(meta.context_lens.sum())
         return out
 
     def durations() -> list[float]:
@@ -230,7 +243,34 @@ def time_forward(runner) -> tuple[Callable[[], list[float]], list[tuple[int, int
         return [a.elapsed_time(b) / 1e3 if cuda else b - a for a, b in marks]
 
     runner.run_model = timed_run_model  # an instance attribute shadows the method
-    return durations, shapes
+    return durations, shapes, lambda: int(torch.stack(context_tokens).sum()) if context_tokens else 0
+
+
+def bytes_per_step(runner) -> tuple[int, int]:
+    """(weight bytes, KV bytes per cached token) that a forward must read from memory: every weight once per step
+    (a tied embedding once, by the LM head; of an untied one only the step's rows, left out), and the K and V of
+    every token in each sequence's context, in the cache's dtype. Rank 0's share with tensor parallelism."""
+    modules = list(runner.model.modules())
+    heads = {id(m.weight) for m in modules if isinstance(m, ParallelLMHead)}
+    lookups = {id(m.weight) for m in modules if type(m) is VocabParallelEmbedding} - heads
+    params = {id(p): p for p in runner.model.parameters()}  # one entry per tensor: tied weights count once
+    weights = sum(p.numel() * p.element_size() for i, p in params.items() if i not in lookups)
+    kv = runner.kv_cache  # [2, layers, blocks, block_size, kv_heads, head_dim]
+    return weights, 2 * kv.shape[1] * kv.shape[4] * kv.shape[5] * kv.element_size()
+
+
+def memory_bandwidth(device: torch.device, size: int = 2**29) -> float:
+    """Bytes per second this device's memory delivers: the best of 5 sums over `size` bytes of float32, far
+    more than any cache holds (a reduction reads, as a decode step does)."""
+    x = torch.ones(size // 4, device=device)
+    best = float("inf")
+    for _ in range(5):
+        sync(device)
+        t = perf_counter()
+        x.sum()
+        sync(device)
+        best = min(best, perf_counter() - t)
+    return size / best
 
 
 def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], warmup: list[int]) -> dict:
@@ -239,7 +279,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     t = perf_counter()
     llm.generate([warmup], SamplingParams(max_tokens=8), use_tqdm=False)
     warmup_s = perf_counter() - t
-    forward_durations, step_shapes = time_forward(engine.model_runner)
+    forward_durations, step_shapes, context_tokens = time_forward(engine.model_runner)
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in output_lens]
     start = perf_counter()
     for i, (ids, sp) in enumerate(zip(prompts, params)):
@@ -261,18 +301,22 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     ttft = [first_token[i] - start for i in range(len(prompts))]
     tpot = [(finish[i] - first_token[i]) / (n - 1) for i, n in enumerate(output_lens) if n > 1]
     forward = sum(forward_times)
+    weight_bytes, kv_bytes_per_token = bytes_per_step(engine.model_runner)
+    bytes_read = weight_bytes * len(forward_times) + kv_bytes_per_token * context_tokens()
     return dict(
         output_tokens=num_tokens, wall_s=wall, tokens_per_s=num_tokens / wall,
         ttft_p50_s=percentiles(ttft)[0], ttft_p90_s=percentiles(ttft)[1],
         tpot_p50_ms=percentiles(tpot)[0] * 1e3, tpot_p90_ms=percentiles(tpot)[1] * 1e3,
         forward_s=forward, overhead_share=(wall - forward) / wall, warmup_s=warmup_s,
         steps=len(forward_times), cached_prompt_tokens=sum(cached), step_shapes=step_shapes, token_ids=token_ids,
+        weight_bytes=weight_bytes, bytes_read=bytes_read, read_bytes_per_s=bytes_read / forward,
     )
 
 
 def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
     options.setdefault("attention_backend", args.attention_backends[0])
     options.setdefault("elementwise_backend", args.elementwise_backends[0])
+    options.setdefault("kv_cache_dtype", args.kv_cache_dtypes[0])
     if args.block_size:
         options["block_size"] = args.block_size
     if args.max_num_seqs:
@@ -292,6 +336,7 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
                   async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
                   elementwise_backend=config.elementwise_backend, attention_backend=config.attention_backend,
+                  kv_cache_dtype=config.kv_cache_dtype,
                   enable_chunked_prefill=config.enable_chunked_prefill,
                   max_num_batched_tokens=config.max_num_batched_tokens)
     if config.speculative_config is not None:
@@ -575,7 +620,7 @@ def machine() -> dict:
                 load_avg_1min=os.getloadavg()[0])  # other work on the machine skews CPU timings
 
 
-def print_table(results: dict, ratios: dict[str, float]) -> None:
+def print_table(results: dict, ratios: dict[str, float], bandwidth: float) -> None:
     head = (f"{'engine':<32}{'tok/s':>9}{'wall s':>9}{'TTFT p50/p90 s':>17}{'TPOT p50/p90 ms':>18}"
             f"{'overhead':>10}{'same tokens':>13}")
     print(head + "\n" + "-" * len(head))
@@ -592,6 +637,11 @@ def print_table(results: dict, ratios: dict[str, float]) -> None:
         print(line)
     for name, ratio in ratios.items():
         print(f"{name}: {ratio:.2f}x output tokens/s")
+    for name, r in results.items():
+        if "read_bytes_per_s" in r:
+            print(f"{name}: the forward read {r['bytes_read'] / r['steps'] / 1e6:.1f} MB a step (weights and KV), "
+                  f"{r['read_bytes_per_s'] / 1e9:.1f} GB/s: {r['bandwidth_share']:.0%} of the measured "
+                  f"{bandwidth / 1e9:.1f} GB/s")
 
 
 def nanoserve_name(dtype: str, args) -> str:
@@ -604,6 +654,8 @@ def main(argv=None) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     machine_info = machine()  # before the run: its load average shows other work on the machine
+    bandwidth = machine_info["memory_bandwidth_bytes_per_s"] = memory_bandwidth(
+        torch.device("cuda" if torch.cuda.is_available() else "cpu"))  # the engine's "auto" device
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-") as tmp:
         path = resolve_model(args.model)
         if args.random_weights:  # e.g. benchmarks/qwen3-0.6b: no checkpoint needed to measure speed
@@ -636,12 +688,13 @@ def main(argv=None) -> dict:
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
             first = results[nanoserve_name(args.dtypes[0], args)]
-            for kind, backends in (("attention", args.attention_backends), ("elementwise", args.elementwise_backends)):
-                for backend in backends[1:]:  # the same engine with another backend, right after it
-                    other = results[nanoserve_name(args.dtypes[0], args) + f" {backend} {kind}"] = bench_nanoserve(
-                        path, args, prompts, output_lens, args.dtypes[0], **{f"{kind}_backend": backend})
-                    ratios[f"{kind} {first[f'{kind}_backend']} / {backend}"] = \
-                        first["tokens_per_s"] / other["tokens_per_s"]
+            for kind, option, values in (("attention", "attention_backend", args.attention_backends),
+                                         ("elementwise", "elementwise_backend", args.elementwise_backends),
+                                         ("kv cache", "kv_cache_dtype", args.kv_cache_dtypes)):
+                for value in values[1:]:  # the same engine with another backend or KV dtype, right after it
+                    other = results[nanoserve_name(args.dtypes[0], args) + f" {value} {kind}"] = bench_nanoserve(
+                        path, args, prompts, output_lens, args.dtypes[0], **{option: value})
+                    ratios[f"{kind} {first[option]} / {value}"] = first["tokens_per_s"] / other["tokens_per_s"]
             if args.speculative_config:  # the same engine with speculation, right after it
                 off = results[nanoserve_name(args.dtypes[0], args)]
                 on = results[nanoserve_name(args.dtypes[0], args) + " speculative"] = bench_nanoserve(
@@ -673,7 +726,9 @@ def main(argv=None) -> dict:
     for r in results.values():  # the token ids and step shapes served the comparisons: keep the JSON small
         r.pop("token_ids", None)
         r.pop("step_shapes", None)
-    print_table(results, ratios)
+        if "read_bytes_per_s" in r:
+            r["bandwidth_share"] = r["read_bytes_per_s"] / bandwidth
+    print_table(results, ratios, bandwidth)
     report = dict(scenario=args.scenario, machine=machine_info, model=args.model,
                   workload=dict(num_prompts=len(prompts), input_len=args.input_len, output_len=args.output_len,
                                 prefix_len=args.prefix_len if args.shared_prefix else 0, seed=args.seed,

@@ -1,6 +1,7 @@
-"""One step's attention on CPU, all layers, on the PyTorch path and the C++ kernel ("torch" and "cpu" backends):
-the demo model's shapes (30 layers, 9 query heads, 3 KV heads, head_dim 64, float32), KV blocks of 16 scattered
-in a pool, each layer its own cache (as in the engine: a step reads every layer's K/V from memory once).
+"""One step's attention on CPU, all layers, on the PyTorch path and the C++ kernel ("torch" and "cpu" backends),
+and the C++ kernel over an fp8 cache (kv_cache_dtype="fp8"): the demo model's shapes (30 layers, 9 query heads,
+3 KV heads, head_dim 64, float32), KV blocks of 16 scattered in a pool, each layer its own cache (as in the engine:
+a step reads every layer's K/V from memory once).
 
     python benchmarks/cpu_attention.py            # decode batches and prefills, ms per step
 """
@@ -44,11 +45,12 @@ def metadata(batch: list[tuple[int, int]]) -> tuple[AttentionMetadata, int]:
     return meta, sum(blocks)
 
 
-def time_step(backend: str, batch: list[tuple[int, int]], repeats: int = 5) -> float:
+def time_step(backend: str, batch: list[tuple[int, int]], repeats: int = 5, dtype: torch.dtype = torch.float32
+              ) -> float:
     """ms for one step: every layer attends over its own cache (random values: the layout does not matter here)."""
     _, attend = attention_backend(backend)
     meta, num_blocks = metadata(batch)
-    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    caches = [torch.randn(2, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM).to(dtype) for _ in range(LAYERS)]
     q = torch.randn(sum(n for n, _ in batch), HEADS, HEAD_DIM)
 
     def step():
@@ -70,4 +72,6 @@ if __name__ == "__main__":
     print(f"{capability}, {threads} threads, ms per step ({LAYERS} layers)")
     for name, batch in CASES.items():
         torch_ms, cpu_ms = time_step("torch", batch), time_step("cpu", batch)
-        print(f"{name:28} torch {torch_ms:7.1f}   cpu {cpu_ms:7.1f}   {torch_ms / cpu_ms:.2f}x")
+        fp8_ms = time_step("cpu", batch, dtype=torch.float8_e4m3fn)
+        print(f"{name:28} torch {torch_ms:7.1f}   cpu {cpu_ms:7.1f}   {torch_ms / cpu_ms:.2f}x   "
+              f"cpu over fp8 {fp8_ms:7.1f}   {cpu_ms / fp8_ms:.2f}x")

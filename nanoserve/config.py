@@ -12,27 +12,38 @@ from nanoserve.speculative_config import SpeculativeConfig
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 
-def pick_attention_backend(name: str, device: str, dtype: str) -> str:
+def pick_attention_backend(name: str, device: str, dtype: str, kv_cache_dtype: str = "auto") -> str:
     """Resolve "auto" (flash-attn, else Triton on CUDA; on CPU the C++ kernel in float32 where it builds, else
-    PyTorch), or check that `name` can run here."""
+    PyTorch), or check that `name` can run here. flash-attn 2 reads no fp8 cache: with it, "auto" skips flash-attn."""
     choices = ("auto", "flash_attn", "triton", "cpu", "torch")
     if name not in choices:
         raise ValueError(f"attention_backend must be one of {choices}, got {name!r}")
     installed = {b: importlib.util.find_spec(b) is not None for b in ("flash_attn", "triton")}
+    if kv_cache_dtype == "fp8" and name == "flash_attn":
+        raise ValueError("kv_cache_dtype='fp8' is read by the triton, cpu and torch attention backends, not flash_attn")
     if name == "auto" and device == "cuda":
-        return next((b for b in ("flash_attn", "triton") if installed[b]), "torch")
+        usable = ("triton",) if kv_cache_dtype == "fp8" else ("flash_attn", "triton")
+        return next((b for b in usable if installed[b]), "torch")
     if name == "auto":
         return "cpu" if cpu_kernel_runs("paged_attention_cpu", device, dtype) else "torch"
-    if name in installed and not installed[name]:
+    if name == "flash_attn" and not installed[name]:
         raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
     if name == "flash_attn" and device != "cuda":
         raise ValueError(f"attention_backend='flash_attn' needs CUDA, but device is {device!r}")
-    if name == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"attention_backend='triton' on device {device!r} needs Triton's interpreter (slow, for "
-                         "tests): export TRITON_INTERPRET=1 before starting Python")
+    if name == "triton":
+        check_triton("attention_backend", device)
     if name == "cpu":
         check_cpu_kernel("attention_backend", "paged_attention_cpu", device, dtype)
     return name
+
+
+def check_triton(field: str, device: str) -> None:
+    """field='triton' asks for Triton kernels: installed, and on CUDA or (slowly, for tests) Triton's interpreter."""
+    if importlib.util.find_spec("triton") is None:
+        raise ValueError(f"{field}='triton', but triton is not installed")
+    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{field}='triton' on device {device!r} needs Triton's interpreter (slow, for tests): "
+                         "export TRITON_INTERPRET=1 before starting Python")
 
 
 def cpu_kernel_runs(source: str, device: str, dtype: str) -> bool:
@@ -50,14 +61,19 @@ def check_cpu_kernel(field: str, source: str, device: str, dtype: str) -> None:
 
 def pick_elementwise_backend(name: str, device: str, dtype: str) -> str:
     """RMSNorm, SwiGLU and RoPE (layers/elementwise_backend.py): "torch" (eager, the code to read), "cpu" (C++,
-    one pass each), "compile" (torch.compile). "auto": "cpu" on the CPU in float32 where it builds, else "torch"."""
-    choices = ("auto", "torch", "cpu", "compile")
+    one pass each), "triton" (one kernel each), "compile" (torch.compile). "auto": "triton" on CUDA where it is
+    installed; "cpu" on the CPU in float32 where it builds; else "torch"."""
+    choices = ("auto", "torch", "cpu", "triton", "compile")
     if name not in choices:
         raise ValueError(f"elementwise_backend must be one of {choices}, got {name!r}")
+    if name == "auto" and device == "cuda":
+        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
     if name == "auto":
         return "cpu" if cpu_kernel_runs("elementwise_cpu", device, dtype) else "torch"
     if name == "cpu":
         check_cpu_kernel("elementwise_backend", "elementwise_cpu", device, dtype)
+    if name == "triton":
+        check_triton("elementwise_backend", device)
     if name == "compile" and device != "cpu":
         raise ValueError(f"elementwise_backend='compile' is for the CPU (not tried with CUDA graphs), got device "
                          f"{device!r}")
@@ -103,7 +119,12 @@ CHOICES = (
     ("scheduling_policy", ("fcfs", "priority")),
     ("preemption_mode", ("recompute", "swap")),
     ("dtype", ("float32", "bfloat16", "float16")),
+    ("kv_cache_dtype", ("auto", "fp8")),
 )
+# kv_cache_dtype="fp8" is e4m3 (vLLM's "fp8", i.e. "fp8_e4m3"): 3 mantissa bits, finite up to +-448. vLLM scales
+# K and V by a per-layer k_scale/v_scale that is 1.0 unless the checkpoint was calibrated; nanoserve loads no
+# calibrated checkpoints, so the scale is always 1.0 and left out. Values past +-448 saturate (docs/benchmarks.md).
+FP8_KV_DTYPE = torch.float8_e4m3fn
 
 
 @dataclass
@@ -126,8 +147,9 @@ class Config:
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
-    elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu" (C++), "compile" or "torch"; "auto": cpu on CPU
+    elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu", "triton", "compile" or "torch"; "auto": fused
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3, half of bfloat16's bytes (vLLM's name)
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
     tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
@@ -160,7 +182,8 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
-        self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype)
+        self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype,
+                                                        self.kv_cache_dtype)
         self.elementwise_backend = pick_elementwise_backend(self.elementwise_backend, self.device, self.dtype)
         # The PyTorch attention copies each sequence's KV out block by block, padding to whole blocks,
         # so small blocks waste less (16 is vLLM's default); flash-attn's paged kernels need 256. The Triton
@@ -256,3 +279,8 @@ class Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return getattr(torch, self.dtype)
+
+    @property
+    def kv_cache_torch_dtype(self) -> torch.dtype:
+        """What the KV cache stores: the model's dtype, or float8 e4m3 with kv_cache_dtype="fp8"."""
+        return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype

@@ -7,8 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from transformers import AutoModelForCausalLM
 
 from conftest import CONFIGS
+from nanoserve import LLM
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 from nanoserve.utils.default_model import find_default_gguf
 
@@ -153,3 +156,28 @@ def test_help_lists_every_flag_the_docs_give_bench_py(capsys):
                     if flag not in help_text:
                         missing.setdefault(flag, f"{doc.relative_to(ROOT)}:{number}")
     assert not missing, f"python bench.py --help does not list {missing}"
+
+
+def test_kv_cache_dtype_flag_and_bytes_per_second(config_only, tmp_path):
+    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "none", "--kv-cache-dtype", "auto,fp8")
+    first, fp8 = report["results"]["nanoserve auto"], report["results"]["nanoserve auto fp8 kv cache"]
+    assert (first["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "fp8")
+    assert 0 <= fp8["same_tokens"] <= 1 and report["ratios"]["kv cache auto / fp8"] > 0
+    bandwidth = report["machine"]["memory_bandwidth_bytes_per_s"]
+    for r in (first, fp8):  # every step reads the weights, and more: the KV of its context
+        assert r["bytes_read"] > r["weight_bytes"] * r["steps"] and bandwidth > 0
+        assert r["read_bytes_per_s"] == pytest.approx(r["bytes_read"] / r["forward_s"])
+        assert r["bandwidth_share"] == pytest.approx(r["read_bytes_per_s"] / bandwidth)
+    assert fp8["weight_bytes"] == first["weight_bytes"]
+
+
+def test_bytes_per_step_counts_each_weight_once_and_the_kv_in_its_dtype(tiny_models):
+    import bench
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
+    weights = sum(p.numel() for p in hf.parameters()) * 4  # tied embeddings: one matrix, read by the LM head
+    config = hf.config
+    for kv_cache_dtype, itemsize in (("auto", 4), ("fp8", 1)):
+        runner = LLM(tiny_models["qwen3"], kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=8).engine.model_runner
+        assert bench.bytes_per_step(runner) == (
+            weights, 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize)

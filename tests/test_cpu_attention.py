@@ -10,7 +10,7 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config, pick_attention_backend
-from nanoserve.layers.attention import AttentionMetadata, attention_backend
+from nanoserve.layers.attention import AttentionMetadata, attention_backend, to_cache_dtype
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 KERNEL = load_cpu_kernel("paged_attention_cpu")
@@ -18,30 +18,35 @@ pytestmark = pytest.mark.skipif(isinstance(KERNEL, str), reason=f"no kernel: {KE
 
 
 def run_backend(name: str, batch: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, dim: int,
-                seed: int = 0) -> torch.Tensor:
+                seed: int = 0, cache_dtype: torch.dtype = torch.float32, kv_scale: float = 1.0,
+                round_kv_to: torch.dtype | None = None, device: str = "cpu") -> torch.Tensor:
     """Store every sequence's whole context with the backend's store, in scattered blocks, then attend: batch is
-    (context length after this step, new tokens) per sequence. The same seed gives the same K/V/q values."""
+    (context length after this step, new tokens) per sequence. The same seed gives the same K/V/q values.
+    K/V are kv_scale times larger (q as much smaller); round_kv_to: rounded to that dtype before they are stored.
+    device: where the caches and the batch live (the same values: drawn on the CPU); the output comes back."""
     gen = torch.Generator().manual_seed(seed)
     store, attend = attention_backend(name)
     blocks = [-(-ctx // block_size) for ctx, _ in batch]
     order = torch.randperm(sum(blocks) + 3, generator=gen).tolist()  # scattered blocks, and some unused ones
-    k_cache = torch.zeros(len(order), block_size, kv_heads, dim)
+    k_cache = torch.zeros(len(order), block_size, kv_heads, dim, dtype=cache_dtype, device=device)
     v_cache = torch.zeros_like(k_cache)
     tables = [[order.pop() for _ in range(n)] for n in blocks]
     for (ctx, _), table in zip(batch, tables):
         slots = torch.tensor([table[i // block_size] * block_size + i % block_size for i in range(ctx)])
-        k, v = torch.randn(2, ctx, kv_heads, dim, generator=gen)
-        store(k, v, k_cache, v_cache, slots)
-    q = torch.randn(sum(q for _, q in batch), heads, dim, generator=gen)
-    i32 = dict(dtype=torch.int32)
+        k, v = torch.randn(2, ctx, kv_heads, dim, generator=gen) * kv_scale
+        if round_kv_to is not None:
+            k, v = (to_cache_dtype(x, round_kv_to).float() for x in (k, v))
+        store(k.to(device), v.to(device), k_cache, v_cache, slots.to(device))
+    q = torch.randn(sum(q for _, q in batch), heads, dim, generator=gen).to(device) / kv_scale
+    i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
-        slot_mapping=torch.tensor([], dtype=torch.int64),
+        slot_mapping=torch.tensor([], dtype=torch.int64, device=device),
         block_tables=torch.tensor([t + [-1] * (max(blocks) - len(t)) for t in tables], **i32),
         context_lens=torch.tensor([ctx for ctx, _ in batch], **i32),
         cu_seqlens_q=torch.tensor(list(accumulate([q for _, q in batch], initial=0)), **i32),
         cu_seqlens_k=torch.tensor(list(accumulate([ctx for ctx, _ in batch], initial=0)), **i32),
         max_seqlen_q=max(q for _, q in batch), max_seqlen_k=max(ctx for ctx, _ in batch))
-    return attend(q, k_cache, v_cache, meta, dim**-0.5)
+    return attend(q, k_cache, v_cache, meta, dim**-0.5).cpu()
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16, 32])

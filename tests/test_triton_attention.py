@@ -120,8 +120,9 @@ def test_backend_choice_and_errors(tiny_models, monkeypatch):
 
 def test_decode_forward_never_waits_for_the_host(tiny_models, monkeypatch):
     """What lets CUDA graphs capture the Triton decode (they cannot run here): no value goes back to the host
-    inside the forward of a decode batch, so no .item(), .tolist(), bool() or copy to the CPU."""
-    llm = LLM(tiny_models["qwen3"], attention_backend="triton", num_kvcache_blocks=16)
+    inside the forward of a decode batch, so no .item(), .tolist(), bool() or copy to the CPU. With the Triton
+    elementwise kernels too, as on CUDA."""
+    llm = LLM(tiny_models["qwen3"], attention_backend="triton", elementwise_backend="triton", num_kvcache_blocks=16)
     run_model, decodes = llm.engine.model_runner.run_model, []
 
     def run_model_without_host_syncs(input_ids, positions, meta, logits_rows):

@@ -64,7 +64,8 @@ class ModelRunner:
     # ---- KV cache -------------------------------------------------------------------------
     def _block_bytes(self) -> int:
         a = self.attn_layers[0]
-        per_token = 2 * len(self.attn_layers) * a.num_kv_heads * a.head_dim * self.config.torch_dtype.itemsize
+        itemsize = self.config.kv_cache_torch_dtype.itemsize  # kv_cache_dtype="fp8": 1 byte, twice the blocks
+        per_token = 2 * len(self.attn_layers) * a.num_kv_heads * a.head_dim * itemsize
         return self.block_size * per_token
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
@@ -74,7 +75,8 @@ class ModelRunner:
         """
         a = self.attn_layers[0]
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
-                                    a.num_kv_heads, a.head_dim, dtype=self.config.torch_dtype, device=self.device)
+                                    a.num_kv_heads, a.head_dim, dtype=self.config.kv_cache_torch_dtype,
+                                    device=self.device)
         self.scratch_slot = num_blocks * self.block_size
         store, impl = attention_backend(self.config.attention_backend)
         for i, layer in enumerate(self.attn_layers):
@@ -88,7 +90,7 @@ class ModelRunner:
             raise ValueError(f"swap_space ({self.config.swap_space} GiB) is too small for one KV block "
                              f"({self._block_bytes()} bytes)")
         shape = (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:])
-        self.host_kv_cache = torch.zeros(shape, dtype=self.config.torch_dtype, pin_memory=self.device.type == "cuda")
+        self.host_kv_cache = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
 
     def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
                     blocks_to_copy: list[tuple[int, int]]) -> None:

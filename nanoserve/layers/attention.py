@@ -26,11 +26,25 @@ class AttentionMetadata:
     torch_plan: "TorchAttentionPlan | None" = None  # the PyTorch path's split of the batch: built by layer 0
 
 
+FP8_MAX = 448.0  # the largest finite float8 e4m3 value
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as the cache stores it. To fp8 (kv_cache_dtype="fp8"): saturated at +-448 as vLLM's kernels do (older
+    PyTorch versions cast values past 480 to NaN), then rounded to the nearest e4m3 value."""
+    if dtype == torch.float8_e4m3fn:
+        x = x.clamp(-FP8_MAX, FP8_MAX)
+    return x.to(dtype)
+
+
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   slot_mapping: torch.Tensor) -> None:
     """Write this step's K/V into their slots; attention then reads everything from the cache."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slot_mapping, v)
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        x = to_cache_dtype(x, cache.dtype)
+        if cache.dtype == torch.float8_e4m3fn:  # PyTorch has no index_copy_ for float8: copy the bytes
+            cache, x = cache.view(torch.uint8), x.view(torch.uint8)
+        cache.view(-1, *x.shape[1:]).index_copy_(0, slot_mapping, x)
 
 
 # The PyTorch path batches decoding sequences until a group's padded context reaches this many tokens:
@@ -83,7 +97,8 @@ def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> Torc
 
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Pure-PyTorch paged attention: copy each sequence's KV blocks out of the cache, then run SDPA on them."""
+    """Pure-PyTorch paged attention: copy each sequence's KV blocks out of the cache, then run SDPA on them.
+    An fp8 cache's copies are converted to q's dtype (.to() is a no-op otherwise)."""
     if meta.torch_plan is None:
         meta.torch_plan = plan_torch_attention(meta, k_cache)
     plan, (kv_heads, head_dim) = meta.torch_plan, k_cache.shape[2:]
@@ -92,15 +107,15 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         # [n, kv_heads, padded context, head_dim]; index_select copies whole blocks into the step's scratch.
         k = torch.index_select(k_cache, 0, block_ids, out=plan.k_scratch[: len(block_ids)])
         v = torch.index_select(v_cache, 0, block_ids, out=plan.v_scratch[: len(block_ids)])
-        k, v = (x.view(len(rows), -1, kv_heads, head_dim).transpose(1, 2) for x in (k, v))
+        k, v = (x.to(q.dtype).view(len(rows), -1, kv_heads, head_dim).transpose(1, 2) for x in (k, v))
         # GQA: the query heads that share a KV head become its rows of queries, so each key is read once.
         o = F.scaled_dot_product_attention(q[rows].view(len(rows), kv_heads, -1, head_dim), k, v,
                                            attn_mask=mask, scale=scale)
         out[rows] = o.reshape(len(rows), -1, head_dim)  # (CUDA's SDPA may return another memory layout)
     for start, end, block_ids, context_len, mask in plan.prefills:
         # [1, kv_heads, context_len, head_dim] (4-D: SDPA's fast CPU kernel needs a batch dimension)
-        k = k_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
-        v = v_cache.index_select(0, block_ids).flatten(0, 1)[:context_len].transpose(0, 1).unsqueeze(0)
+        k, v = (cache.index_select(0, block_ids).flatten(0, 1)[:context_len].to(q.dtype).transpose(0, 1).unsqueeze(0)
+                for cache in (k_cache, v_cache))
         o = F.scaled_dot_product_attention(q[start:end].transpose(0, 1).unsqueeze(0), k, v, attn_mask=mask,
                                            is_causal=mask is None, scale=scale, enable_gqa=True)
         out[start:end] = o[0].transpose(0, 1)

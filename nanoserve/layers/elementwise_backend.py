@@ -1,4 +1,4 @@
-"""The elementwise chains between the matmuls (RMSNorm with its residual add, SwiGLU's gate, RoPE), three ways;
+"""The elementwise chains between the matmuls (RMSNorm with its residual add, SwiGLU's gate, RoPE), four ways;
 Config.elementwise_backend picks one:
 
 - "torch": the modules' own forwards (layers/layernorm.py, activation.py, rotary_embedding.py), the code to read.
@@ -6,6 +6,8 @@ Config.elementwise_backend picks one:
   costs more in dispatch than in arithmetic.
 - "cpu": csrc/elementwise_cpu.cpp, one C++ loop per chain, as vLLM's CPU build has kernels of its own for them.
   The default on the CPU in float32 (built on first use, like the "cpu" attention backend).
+- "triton": layers/triton_elementwise.py, one Triton kernel per chain; the default on CUDA (CUDA graphs capture
+  them). Qwen3's per-head q_norm and k_norm are RMSNorms too: one kernel reads them in place in the qkv output.
 - "compile": torch.compile, as vLLM compiles its model: Inductor fuses each chain into one loop. Compiling costs
   2.5 to 11 s at start.
 
@@ -40,6 +42,29 @@ def rotary_embedding_cpu(self: RotaryEmbedding, positions: torch.Tensor, q: torc
 CPU_FORWARDS = {RMSNorm: rms_norm_cpu, SiluAndMul: silu_and_mul_cpu, RotaryEmbedding: rotary_embedding_cpu}
 
 
+def rms_norm_triton(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    from nanoserve.layers.triton_elementwise import triton_rms_norm  # triton: imported only when chosen
+
+    out, summed = triton_rms_norm(x, residual, self.weight, self.eps)
+    return out if residual is None else (out, summed)
+
+
+def silu_and_mul_triton(self: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+    from nanoserve.layers.triton_elementwise import triton_silu_and_mul
+
+    return triton_silu_and_mul(x)
+
+
+def rotary_embedding_triton(self: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    from nanoserve.layers.triton_elementwise import triton_rotary_embedding
+
+    return (triton_rotary_embedding(positions, q, self.cos_sin_cache),
+            triton_rotary_embedding(positions, k, self.cos_sin_cache))
+
+
+TRITON_FORWARDS = {RMSNorm: rms_norm_triton, SiluAndMul: silu_and_mul_triton, RotaryEmbedding: rotary_embedding_triton}
+
+
 @cache
 def compiled_forward(cls: type[nn.Module]):
     """One compiled forward per class, shared by all its modules: Dynamo takes the module as an input, so the
@@ -51,7 +76,8 @@ def use_elementwise_backend(model: nn.Module, backend: str) -> None:
     """Give model's RMSNorm, SiluAndMul and RotaryEmbedding modules the backend's forward ("torch": their own)."""
     if backend == "torch":
         return
+    kernels = {"cpu": CPU_FORWARDS, "triton": TRITON_FORWARDS}.get(backend)
     for module in model.modules():
         if type(module) in CPU_FORWARDS:
-            forward = CPU_FORWARDS[type(module)] if backend == "cpu" else compiled_forward(type(module))
+            forward = kernels[type(module)] if kernels else compiled_forward(type(module))
             module.forward = types.MethodType(forward, module)

@@ -20,23 +20,36 @@ import triton.language as tl
 
 
 @triton.jit
+def to_cache(x, cache_ptr, FP8: tl.constexpr):
+    """x as the cache stores it: an fp8 cache's values saturate at +-448 (FP8_MAX in attention.py), then round."""
+    if FP8:
+        x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
+    return x.to(cache_ptr.dtype.element_ty)
+
+
+@triton.jit
 def store_kvcache_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
-                         stride_k, stride_v, stride_slot, KV_SIZE: tl.constexpr, KV_SIZE_PAD: tl.constexpr):
+                         stride_k, stride_v, stride_slot, KV_SIZE: tl.constexpr, KV_SIZE_PAD: tl.constexpr,
+                         FP8: tl.constexpr):
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)  # block_id * block_size + offset, computed by the model runner
     offs = tl.arange(0, KV_SIZE_PAD)  # tl.arange needs a power of two: pad and mask
     mask = offs < KV_SIZE
-    tl.store(k_cache_ptr + slot * stride_slot + offs, tl.load(k_ptr + token * stride_k + offs, mask=mask), mask=mask)
-    tl.store(v_cache_ptr + slot * stride_slot + offs, tl.load(v_ptr + token * stride_v + offs, mask=mask), mask=mask)
+    k = to_cache(tl.load(k_ptr + token * stride_k + offs, mask=mask), k_cache_ptr, FP8)
+    v = to_cache(tl.load(v_ptr + token * stride_v + offs, mask=mask), v_cache_ptr, FP8)
+    tl.store(k_cache_ptr + slot * stride_slot + offs, k, mask=mask)
+    tl.store(v_cache_ptr + slot * stride_slot + offs, v, mask=mask)
 
 
 def triton_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                          slot_mapping: torch.Tensor) -> None:
-    """k, v: [num_tokens, kv_heads, head_dim], each token's values contiguous (rows may be strided views)."""
+    """k, v: [num_tokens, kv_heads, head_dim], each token's values contiguous (rows may be strided views).
+    The caches: the model's dtype, or float8 e4m3 (kv_cache_dtype="fp8")."""
     k, v = k.flatten(1), v.flatten(1)
     kv_size = k.shape[1]
     store_kvcache_kernel[(k.shape[0],)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-                                        k_cache.stride(1), kv_size, triton.next_power_of_2(kv_size))
+                                        k_cache.stride(1), kv_size, triton.next_power_of_2(kv_size),
+                                        FP8=k_cache.dtype == torch.float8_e4m3fn)
 
 
 @triton.jit
@@ -89,8 +102,9 @@ def paged_attention_kernel(
         slot = block_id.to(tl.int64) * BLOCK_SIZE + key % BLOCK_SIZE
         kv_offs = slot[:, None] * stride_slot + kv_head * stride_kvh + dims[None, :]
         kv_mask = (key < num_keys)[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0)  # [BLOCK_N, HEAD_DIM_PAD]
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        # [BLOCK_N, HEAD_DIM_PAD], an fp8 cache's converted to q's dtype as they arrive: half of bfloat16's bytes read
+        k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         # Scores in base 2 (exp2 is the GPU's native exponential): s * log2(e) * scale.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))  # causal mask (also hides key >= num_keys)
