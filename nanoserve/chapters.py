@@ -13,7 +13,7 @@ from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.seams import Seams
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
-from nanoserve.step_records import StepRecord, StepRecorder, step_recorder
+from nanoserve.step_records import StepRecord, step_recorder
 
 
 def build_engine(config: Config) -> EngineCore:
@@ -38,22 +38,20 @@ def build_engine(config: Config) -> EngineCore:
 
 def structured_output_manager(engine: EngineCore):
     """The engine's StructuredOutputManager, plugged into its seams with the first structured request."""
-    from nanoserve.structured_output.manager import StructuredOutputManager
+    if "structured_outputs" not in engine.seams.features:
+        from nanoserve.structured_output.manager import StructuredOutputManager
 
-    for processor in engine.seams.logits_processors:
-        if isinstance(processor, StructuredOutputManager):
-            return processor
-    return StructuredOutputManager.plug_in(engine)
+        StructuredOutputManager.plug_in(engine)
+    return engine.seams.features["structured_outputs"]
 
 
 def beam_search_feature(engine: EngineCore):
     """The engine's BeamScheduler, plugged into its seams with the first beam search."""
-    from nanoserve.beam_search.scheduler import BeamScheduler
+    if "beam_search" not in engine.seams.features:
+        from nanoserve.beam_search.scheduler import BeamScheduler
 
-    for hook in engine.seams.after_step:
-        if isinstance(getattr(hook, "__self__", None), BeamScheduler):
-            return hook.__self__
-    return BeamScheduler.plug_in(engine)
+        BeamScheduler.plug_in(engine)
+    return engine.seams.features["beam_search"]
 
 
 class LLM(llm.LLM):
@@ -63,8 +61,8 @@ class LLM(llm.LLM):
     @property
     def trace(self) -> list[StepRecord] | None:
         """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else None."""
-        recorders = [o for o in self.engine.seams.observers if isinstance(o, StepRecorder)]
-        return recorders[0].trace if recorders else None
+        recorder = self.engine.seams.features.get("step_records")
+        return None if recorder is None else recorder.trace
 
     def beam_search(self, prompts: llm.Prompt | list[llm.Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[RequestOutput]:

@@ -179,10 +179,8 @@ class StepReader:
 
 
 def step_recorder(engine: EngineCore, keep: bool = False) -> StepRecorder:
-    """The engine's StepRecorder (among its observers), plugged in now if it has none."""
-    for observer in engine.seams.observers:
-        if isinstance(observer, StepRecorder):
-            return observer
-    recorder = StepRecorder(engine.scheduler, keep)
-    engine.seams.observers.append(recorder)
-    return recorder
+    """The engine's StepRecorder (an observer), plugged in now if it has none."""
+    if "step_records" not in engine.seams.features:
+        engine.seams.features["step_records"] = recorder = StepRecorder(engine.scheduler, keep)
+        engine.seams.observers.append(recorder)
+    return engine.seams.features["step_records"]

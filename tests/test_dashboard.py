@@ -194,12 +194,12 @@ def test_off_by_default_nothing_recorded(tiny_models, monkeypatch):
     monkeypatch.setattr("nanoserve.step_records.record_step", fail)
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    assert llm.engine.seams.observers == []  # no StepRecorder: nothing watches the steps
+    assert llm.engine.seams.observers == [] and "step_records" not in llm.engine.seams.features
     engine = AsyncLLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     try:
         client = TestClient(build_app(engine, "tiny"))
         assert client.get("/dashboard").status_code == 404 and client.get("/debug/steps").status_code == 404
-        assert engine.engine_core.seams.observers == []
+        assert engine.engine_core.seams.observers == [] and not engine.engine_core.seams.features
     finally:
         engine.shutdown()
 

@@ -55,7 +55,7 @@ class BeamScheduler:
 
     @classmethod
     def plug_in(cls, engine: EngineCore) -> "BeamScheduler":
-        beams = cls(engine)
+        engine.seams.features["beam_search"] = beams = cls(engine)
         engine.seams.after_step.append(beams.step)
         return beams
 

@@ -43,3 +43,6 @@ class Seams:
     # 8. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
     #    process's ModelRunner alone (engine/executor.py).
     executor_class: type | None = None
+    # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
+    # request, or that a front end reads (llm.trace), finds its object here.
+    features: dict[str, object] = field(default_factory=dict)

@@ -38,7 +38,7 @@ class StructuredOutputManager:
 
     @classmethod
     def plug_in(cls, engine: EngineCore) -> "StructuredOutputManager":
-        manager = cls(engine)
+        engine.seams.features["structured_outputs"] = manager = cls(engine)
         engine.seams.logits_processors.append(manager)
         engine.seams.after_step.insert(0, manager.advance)  # first: the drafts proposed after it must fit the grammar
         engine.seams.needs_newest_token.append(has_grammar)
