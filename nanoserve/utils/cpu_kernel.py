@@ -15,6 +15,7 @@ leaves torch's own lock file behind, which the next holder of the OS lock knows 
 import fcntl
 import functools
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -95,6 +96,15 @@ def build_lock(build_dir: Path, source: str) -> Iterator[None]:
         yield
 
 
+def import_built(path: Path) -> ModuleType:
+    """A kernel built before, imported as is: torch's `load` would rebuild it whenever its build file names another
+    checkout's copy of the source (ninja sees a new command), though the folder's hash says the source is the same."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @functools.cache
 def load_cpu_kernel(source: str) -> ModuleType | str:
     """csrc/<source>.cpp compiled, or why it could not be built here (a string: "auto" then picks PyTorch's path)."""
@@ -106,9 +116,12 @@ def load_cpu_kernel(source: str) -> ModuleType | str:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir, source):
-            if compiling := not any(build_dir.glob("*.so")):
-                say(f"compiling the C++ CPU kernel {source} for {capability}, once ({BUILD_SECONDS}); "
-                    f"later runs load it from {build_dir}")
+            built = build_dir / f"nanoserve_{source}.so"
+            if built.exists():  # built from the same source (the folder's hash): load it, whichever checkout built it
+                return import_built(built)
+            compiling = True
+            say(f"compiling the C++ CPU kernel {source} for {capability}, once ({BUILD_SECONDS}); "
+                f"later runs load it from {build_dir}")
             module = load(name=f"nanoserve_{source}", sources=[str(CSRC / f"{source}.cpp")],
                           build_directory=str(build_dir), extra_cflags=cflags_for(capability),
                           extra_ldflags=["-fopenmp"])
