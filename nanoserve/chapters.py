@@ -5,6 +5,8 @@
 request asks for (structured outputs, beam search) joins with its first request. A plain request asks for none,
 so it runs the core alone (tests/test_reading_guide.py checks that).
 """
+import weakref
+
 from nanoserve import async_llm, llm
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
@@ -31,8 +33,10 @@ def build_engine(config: Config) -> EngineCore:
         plug_in(engine)
     if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
         step_recorder(engine, keep=True)
-    seams.request_options["structured_outputs"] = lambda request: structured_output_manager(engine).add_request(
-        request)
+    # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,
+    # and from stopping tensor-parallel workers, at once.)
+    weak = weakref.proxy(engine)
+    seams.request_options["structured_outputs"] = lambda request: structured_output_manager(weak).add_request(request)
     return engine
 
 

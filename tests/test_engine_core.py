@@ -1,10 +1,13 @@
 """EngineCore driven step by step: async scheduling's batch queue, a failing forward, min_tokens."""
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import hf_greedy
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, BeamSearchParams, SamplingParams
 from nanoserve.engine.core import EngineCore
 
 EOS = 2
@@ -107,3 +110,21 @@ def test_min_tokens_masks_eos_and_stop_tokens_like_transformers(tiny_models):
     out = llm.generate([PROMPTS[0]], greedy(12, min_tokens=6, stop_token_ids=[stop]), use_tqdm=False)[0].outputs[0]
     assert out.token_ids == reference([EOS, stop]) and stop not in out.token_ids[:6]
     assert out.stop_reason == (stop if out.token_ids[-1] == stop else None)
+
+
+def test_plugged_in_features_hold_no_reference_back_to_the_engine(tiny_models):
+    """The engine owns its seams (engine/seams.py). A feature's hook holding the engine would make a reference
+    cycle: `del llm` would then not free the engine, its KV cache and its worker processes at once, but only
+    whenever the garbage collector runs."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    llm = LLM(tiny_models["qwen3"], trace=True, speculative_config=spec, num_kvcache_blocks=64)
+    llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
+    llm.generate([[5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert set(llm.engine.seams.features) == {"beam_search", "step_records"}
+    engine = weakref.ref(llm.engine)
+    gc.disable()
+    try:
+        del llm
+        assert engine() is None
+    finally:
+        gc.enable()

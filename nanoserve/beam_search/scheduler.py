@@ -7,6 +7,7 @@ free the beams that have no child, fork a parent with several children (the chil
 more reference each), then append each child's token. The next schedule's `may_append` splits a shared,
 partly filled last block (copy-on-write) only for a beam that writes into it. docs/beam_search.md draws it.
 """
+import weakref
 from collections.abc import Iterator
 
 from nanoserve.beam_search.search import BeamChild, BeamSearch, Hypothesis
@@ -51,7 +52,9 @@ class BeamScheduler:
     """Checks and adds beam requests, and takes in each step's beam rows (the after_step seam)."""
 
     def __init__(self, engine: EngineCore):
-        self.engine, self.config, self.scheduler = engine, engine.config, engine.scheduler
+        # (A weak reference: the engine's seams hold this object, and a strong one back would keep `del llm` from
+        # freeing the engine at once.)
+        self.engine, self.config, self.scheduler = weakref.proxy(engine), engine.config, engine.scheduler
 
     @classmethod
     def plug_in(cls, engine: EngineCore) -> "BeamScheduler":

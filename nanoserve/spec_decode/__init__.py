@@ -11,8 +11,9 @@ from nanoserve.spec_decode.verify import verify
 
 def plug_in(engine: EngineCore) -> None:
     seams, spec = engine.seams, engine.config.speculative_config
+    scheduler = engine.scheduler  # (not the engine: its seams must not hold it, or `del llm` would not free it)
     seams.sample = verify  # the draw: a verification of each request's drafts
     seams.needs_newest_token.append(waits_for_drafts)  # async scheduling: drafts start from the newest token
-    seams.after_step.append(lambda out, updated: propose_drafts(engine.scheduler.running, spec))  # next step's
+    seams.after_step.append(lambda out, updated: propose_drafts(scheduler.running, spec))  # the next step's
     if spec.method == "draft_model":  # before the forward: the draft model fills the slots the scheduler reserved
         seams.propose = DraftModelProposer(InputBuilder.from_config(engine.config)).propose
