@@ -554,10 +554,10 @@ def test_reading_guide_line_counts():
 
 def test_the_line_count_check_can_fail():
     problems = line_count_problems("1. `nanoserve/llm.py` (1): the API; `nanoserve/layers/csrc/elementwise_cpu.cpp`\n"
-                                   "   (2), and `nanoserve/engine/torchrun.py` (3).\n")
+                                   "   (2), and `nanoserve/parallel/torchrun.py` (3).\n")
     assert [p.split(" has ")[0] for p in problems] == ["README.md:1: nanoserve/llm.py",
                                                        "README.md:1: nanoserve/layers/csrc/elementwise_cpu.cpp",
-                                                       "README.md:2: nanoserve/engine/torchrun.py"]
+                                                       "README.md:2: nanoserve/parallel/torchrun.py"]
 
 
 def test_the_checks_can_fail(index, tmp_path):
