@@ -425,20 +425,10 @@ def test_page_shows_speculative_tokens(converted, tmp_path):
 
 
 @pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
-def test_page_shows_beams_forking(tiny_models, tmp_path):
-    """The page fed the records of a real beam search (two requests, 3 beams each; the server has no beam search
-    yet, so Playwright serves the page and one recorded stream, and nothing goes to the network): a fork line for
-    each fork, a square for each dropped beam, each request's beams in rows of their own, the steps' beam events,
-    the legend, and the block grid mid-search: the blocks the beams share, numbered with their ref counts."""
+@contextlib.contextmanager
+def page_fed(body: str):
+    """The dashboard page in headless Chromium, its step stream a canned `body`: (page, the page's JS errors)."""
     playwright = pytest.importorskip("playwright.sync_api", reason="`pip install playwright` to run it")
-    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=32)
-    llm.beam_search([[5, 6, 7, 8, 9, 10], [11, 12, 13]], BeamSearchParams(beam_width=3, max_tokens=6),
-                    use_tqdm=False)
-    steps = records(stream)
-    shown = next(i for i, state in enumerate(states) if i >= 3 and any(ref > 1 for ref, _, _ in state["blocks"]))
-    steps = steps[: shown + 1]  # the search as the page saw it after step `shown`, its beams still running
-    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(
-        "steps", dict(steps=steps, dropped=0, engine=states[shown]))
     with playwright.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=BROWSER, args=BROWSER_ARGS)
         page = browser.new_page(viewport={"width": 1600, "height": 900})
@@ -447,6 +437,24 @@ def test_page_shows_beams_forking(tiny_models, tmp_path):
         page.route("**/dashboard", lambda route: route.fulfill(body=PAGE.read_text(), content_type="text/html"))
         page.route("**/debug/steps", lambda route: route.fulfill(body=body, content_type="text/event-stream"))
         page.goto("http://nanoserve.test/dashboard")
+        yield page, errors
+        browser.close()
+
+
+def test_page_shows_beams_forking(tiny_models, tmp_path):
+    """The page fed the records of a real beam search (two requests, 3 beams each; the server has no beam search
+    yet, so Playwright serves the page and one recorded stream, and nothing goes to the network): a fork line for
+    each fork, a square for each dropped beam, each request's beams in rows of their own, the steps' beam events,
+    the legend, and the block grid mid-search: the blocks the beams share, numbered with their ref counts."""
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=32)
+    llm.beam_search([[5, 6, 7, 8, 9, 10], [11, 12, 13]], BeamSearchParams(beam_width=3, max_tokens=6),
+                    use_tqdm=False)
+    steps = records(stream)
+    shown = next(i for i, state in enumerate(states) if i >= 3 and any(ref > 1 for ref, _, _ in state["blocks"]))
+    steps = steps[: shown + 1]  # the search as the page saw it after step `shown`, its beams still running
+    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(
+        "steps", dict(steps=steps, dropped=0, engine=states[shown]))
+    with page_fed(body) as (page, errors):
         page.wait_for_selector("#timeline .fork")
         page.screenshot(path=tmp_path / "dashboard_beams.png")
         forks = page.eval_on_selector_all("#timeline .fork", "gs => gs.map(g => [+g.dataset.seq, +g.dataset.parent])")
@@ -455,7 +463,6 @@ def test_page_shows_beams_forking(tiny_models, tmp_path):
         beam_events = page.eval_on_selector_all("#events .event[data-kind=beams]", "es => es.map(e => e.textContent)")
         legend = page.inner_text("#timeline-legend")
         shared = page.eval_on_selector_all("#kv-grid .block[data-state=shared]", "bs => bs.map(b => b.textContent)")
-        browser.close()
     print(f"screenshot: {tmp_path}/dashboard_beams.png")
     assert not errors
     assert forks == [list(pair) for s in steps for pair in s["forked"]] and len(forks) >= 6
@@ -492,7 +499,6 @@ def test_page_opened_late_on_a_large_pool(tiny_models, tmp_path):
     on 2 cores): the budget and the counters come from the config and the stats, not from steps it never saw, the
     events panel says what the counters counted before it, and the pool is drawn a cell for each 6 blocks, each
     cell counting exactly the blocks it stands for (served by Playwright, as above)."""
-    playwright = pytest.importorskip("playwright.sync_api", reason="`pip install playwright` to run it")
     llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=2912)
     system = list(range(100, 140))  # 10 full blocks: the later prompts find them in the prefix cache
     llm.generate([system + [7, 8]], GREEDY, use_tqdm=False)
@@ -500,20 +506,12 @@ def test_page_opened_late_on_a_large_pool(tiny_models, tmp_path):
     state = next(s for s in states if any(ref > 1 for ref, _, _ in s["blocks"]) and s["stats"]["num_cached_tokens"])
     config = page_config(llm.engine.config, "tiny")
     body = event("config", config) + "retry: 600000\n\n" + event("steps", dict(steps=[], dropped=0, engine=state))
-    with playwright.sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=BROWSER, args=BROWSER_ARGS)
-        page = browser.new_page(viewport={"width": 1600, "height": 900})
-        errors = []
-        page.on("pageerror", lambda error: errors.append(error))
-        page.route("**/dashboard", lambda route: route.fulfill(body=PAGE.read_text(), content_type="text/html"))
-        page.route("**/debug/steps", lambda route: route.fulfill(body=body, content_type="text/event-stream"))
-        page.goto("http://nanoserve.test/dashboard")
+    with page_fed(body) as (page, errors):
         page.wait_for_selector("#kv-grid .block[data-state=group]")
         page.screenshot(path=tmp_path / "dashboard_large_pool.png")
         cells = page.eval_on_selector_all("#kv-grid .block", "cs => cs.map(c => JSON.parse(c.dataset.counts))")
         title, timeline = page.inner_text("#kv-title"), page.text_content("#timeline")
         steps, events = page.inner_text("#c-step b"), page.inner_text("#events")
-        browser.close()
     print(f"screenshot: {tmp_path}/dashboard_large_pool.png")
     assert not errors
     assert len(cells) == 486 and "a cell for each 6" in title  # ceil(2912 / 512) = 6 blocks a cell
