@@ -29,6 +29,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.spec_decode import plug_in
 
         plug_in(engine)
+    if config.kv_offloading_size > 0:  # the prefix cache's host tier: kv_offload/
+        from nanoserve.kv_offload import plug_in as plug_in_host_tier
+
+        plug_in_host_tier(engine)
     if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
         step_recorder(engine, keep=True)
     seams.request_options["structured_outputs"] = lambda request: structured_output_manager(engine).add_request(
