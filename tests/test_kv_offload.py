@@ -107,3 +107,20 @@ def test_needs_prefix_caching(tiny_models):
 def test_off_plugs_nothing_in(tiny_models):
     llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=16)
     assert llm.engine.seams.kv_cache_tier is None and llm.engine.model_runner.num_offload_blocks == 0
+
+
+def test_stats_trace_and_metrics_agree(tiny_models):
+    """llm.stats, the step records (trace=True) and /metrics' collector count the same copies and hits."""
+    from nanoserve.serving.metrics import EngineCollector
+
+    llm = tight_llm(tiny_models["qwen3"], True, trace=True)
+    conversations(llm, GREEDY)
+    stats, trace = llm.stats, llm.trace
+    assert sum(len(r.blocks_offloaded) for r in trace) == stats.num_offloaded_blocks > 0
+    assert sum(len(r.blocks_loaded) for r in trace) == stats.num_loaded_blocks > 0
+    assert all(0 <= r.num_host_cached_blocks <= r.num_host_blocks == 64 for r in trace)
+    assert trace[-1].num_host_cached_blocks > 0
+    metrics = {m.name: m.samples[0].value for m in EngineCollector(llm.engine, "m").collect() if m.samples}
+    assert metrics["nanoserve:external_prefix_cache_hits"] == stats.num_host_cached_tokens > 0
+    assert metrics["nanoserve:kv_offload_blocks_offloaded"] == stats.num_offloaded_blocks
+    assert metrics["nanoserve:kv_offload_blocks_loaded"] == stats.num_loaded_blocks
