@@ -76,7 +76,7 @@ WORKLOADS = {
     "nano-vllm": (256, (100, 1024), (100, 1024)),
     "shared-prefix": (64, (16, 64), (16, 64)),
     "lookup": (16, (0, 0), (64, 128)),  # input: a docstring of Python's standard library, whatever its length
-    "multi-turn": (8, (64, 192), (16, 32)),  # conversations; each turn's new user message; each answer
+    "multi-turn": (8, (32, 96), (16, 32)),  # conversations; each turn's new user message; each answer
 }
 # --lookup's text: real prose that ships with Python (docstrings of these standard-library modules' public
 # functions and classes), which each prompt asks the model to repeat: n-gram lookup finds what comes next.
@@ -123,7 +123,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     scenario.add_argument("--multi-turn", action="store_true",
                           help="--num-prompts conversations of --turns turns, each re-sending its history, on a "
                                "device pool a quarter of their KV: the host tier (kv_offloading_size) off vs on")
-    p.add_argument("--turns", type=int, default=4, help="turns per conversation (--multi-turn)")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation (--multi-turn)")
     scenario.add_argument("--lookup", action="store_true",
                           help="prompts that ask to repeat a standard-library docstring (n-gram lookup helps)")
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
