@@ -43,7 +43,7 @@ def draw(rows: list[tuple[int, int, int]], path: str) -> None:
     ax = fig.subplots()
     for turn, counts in enumerate(rows):
         start = 0
-        for (label, colour), n in zip(COLOURS.items(), counts):
+        for colour, n in zip(COLOURS.values(), counts):
             ax.barh(turn, n, left=start, color=colour, edgecolor="white", height=0.7)
             start += n
     ax.set_yticks(range(len(rows)), [f"turn {t + 1}" for t in range(len(rows))])
