@@ -2,6 +2,7 @@
 output: multi-turn conversations on a device pool too small to keep them, each turn re-sending its history, give
 the same greedy tokens with the tier on as off, and as transformers, under every scheduler setting, n > 1,
 speculative decoding and tensor parallelism; the tier really served blocks back."""
+import gc
 import math
 
 import pytest
@@ -40,21 +41,22 @@ def tight_llm(path: str, offload: bool, **options) -> LLM:
     return LLM(path, kv_offloading_size=HOST_TIER if offload else 0, **options)
 
 
-def check_on_equals_off_equals_transformers(path: str, params: SamplingParams, **options) -> LLM:
-    """Run the conversations with the tier off and on: equal, and (greedy, n=1) equal to transformers; the tier
-    really offloaded blocks and served some back, and no block leaked. Returns the LLM with the tier on."""
+def check_on_equals_off_equals_transformers(path: str, params: SamplingParams, **options) -> int:
+    """Run the conversations with the tier on, then off: equal, and (greedy, n=1) equal to transformers; the tier
+    really offloaded blocks and served some back, and no block leaked. Returns the tier's size in blocks."""
     llm = tight_llm(path, True, **options)
-    on, off = conversations(llm, params), conversations(tight_llm(path, False, **options), params)
-    assert on == off
+    on, stats, pool = conversations(llm, params), llm.stats, llm.engine.block_manager
+    assert stats.num_offloaded_blocks > 0 and stats.num_loaded_blocks > 0
+    assert 0 < stats.num_host_cached_tokens <= stats.num_cached_tokens
+    assert pool.num_free_blocks == pool.num_blocks
+    num_offload_blocks = llm.engine.model_runner.num_offload_blocks
+    del llm, pool  # (a tensor-parallel engine's ranks must be gone before the next one starts)
+    gc.collect()
+    assert conversations(tight_llm(path, False, **options), params) == on
     if params.n == 1:
         for prompts, answers in on:
             assert [a[0] for a in answers] == hf_greedy(path, prompts, params.max_tokens)
-    stats = llm.stats
-    assert stats.num_offloaded_blocks > 0 and stats.num_loaded_blocks > 0
-    assert 0 < stats.num_host_cached_tokens <= stats.num_cached_tokens
-    pool = llm.engine.block_manager
-    assert pool.num_free_blocks == pool.num_blocks
-    return llm
+    return num_offload_blocks
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -83,8 +85,8 @@ def test_speculative_decoding(tiny_models, method):
 
 def test_tensor_parallel(tiny_models):
     """Each rank holds its share of the KV heads in its own host tier; rank 0's books hand out the blocks."""
-    llm = check_on_equals_off_equals_transformers(tiny_models["qwen3"], GREEDY, tensor_parallel_size=2)
-    assert llm.engine.model_runner.num_offload_blocks == 2 * 64  # half the heads: twice the blocks per GiB
+    num_blocks = check_on_equals_off_equals_transformers(tiny_models["qwen3"], GREEDY, tensor_parallel_size=2)
+    assert num_blocks == 2 * 64  # each rank holds half the heads: twice the blocks per GiB
 
 
 @pytest.mark.parametrize("value, message", [
