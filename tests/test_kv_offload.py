@@ -52,7 +52,10 @@ def check_on_equals_off_equals_transformers(path: str, params: SamplingParams, *
     num_offload_blocks = llm.engine.model_runner.num_offload_blocks
     del llm, pool  # (a tensor-parallel engine's ranks must be gone before the next one starts)
     gc.collect()
-    assert conversations(tight_llm(path, False, **options), params) == on
+    llm = tight_llm(path, False, **options)
+    assert conversations(llm, params) == on
+    del llm
+    gc.collect()
     if params.n == 1:
         for prompts, answers in on:
             assert [a[0] for a in answers] == hf_greedy(path, prompts, params.max_tokens)
