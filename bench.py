@@ -13,6 +13,7 @@ run by benchmarks/vllm_peer.py in vLLM's own interpreter, `--vllm-python`).
     python bench.py --peer vllm --vllm-python VENV/bin/python   # vLLM in a venv of its own: docs/benchmarks.md
     python bench.py --nano-vllm           # nano-vllm's workload: 256 prompts, 100-1024 in and out
     python bench.py --shared-prefix       # prefix caching on vs off, on prompts sharing a long prefix
+    python bench.py --multi-turn          # the prefix cache's host tier (kv_offloading_size) off vs on, on chats
     python bench.py --lookup --speculative-config '{"method": "ngram", "num_speculative_tokens": 5}'
                                           # speculation on vs off, on prompts that ask to repeat real text
     python bench.py --json results.json   # also write the figures for scripts
@@ -41,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from time import perf_counter
 
 import nanoserve  # noqa: F401  first: its CPU thread defaults (nanoserve/utils/threads.py) precede torch's OpenMP
@@ -74,6 +76,7 @@ WORKLOADS = {
     "nano-vllm": (256, (100, 1024), (100, 1024)),
     "shared-prefix": (64, (16, 64), (16, 64)),
     "lookup": (16, (0, 0), (64, 128)),  # input: a docstring of Python's standard library, whatever its length
+    "multi-turn": (8, (32, 96), (16, 32)),  # conversations; each turn's new user message; each answer
 }
 # --lookup's text: real prose that ships with Python (docstrings of these standard-library modules' public
 # functions and classes), which each prompt asks the model to repeat: n-gram lookup finds what comes next.
@@ -117,6 +120,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     scenario.add_argument("--shared-prefix", action="store_true",
                           help="prompts share a common prefix; nanoserve with vs without prefix caching")
     p.add_argument("--prefix-len", type=int, default=1024, help="shared prefix length (--shared-prefix)")
+    scenario.add_argument("--multi-turn", action="store_true",
+                          help="--num-prompts conversations of --turns turns, each re-sending its history, on a "
+                               "device pool a quarter of their KV: the host tier (kv_offloading_size) off vs on")
+    p.add_argument("--turns", type=int, default=6, help="turns per conversation (--multi-turn)")
     scenario.add_argument("--lookup", action="store_true",
                           help="prompts that ask to repeat a standard-library docstring (n-gram lookup helps)")
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
@@ -154,6 +161,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     args = p.parse_args(argv)
     args.scenario = ("shared-prefix" if args.shared_prefix else "nano-vllm" if args.nano_vllm
+                     else "multi-turn" if args.multi_turn
                      else "quick" if args.quick else "lookup" if args.lookup else "default")
     num_prompts, input_len, output_len = WORKLOADS[args.scenario]
     args.num_prompts = args.num_prompts or num_prompts
@@ -649,6 +657,78 @@ def nanoserve_name(dtype: str, args) -> str:
             + " chunked" * args.enable_chunked_prefill)
 
 
+def run_multi_turn(path: str, args, conversations: list[list[list[int]]], output_lens: list[list[int]],
+                   **options) -> dict:
+    """--multi-turn: conversation 0's turn 1, conversation 1's turn 1, ..., then everyone's turn 2: each turn sends
+    the history (earlier messages and answers) and its new message, one request at a time, so that its TTFT is its
+    prefill. The device pool holds a quarter of the conversations' KV: by a conversation's next turn, the others
+    have evicted its blocks."""
+    block_size = args.block_size or 16
+    working_set = sum(sum(map(len, c)) + sum(n) for c, n in zip(conversations, output_lens))
+    llm = LLM(path, block_size=block_size, num_kvcache_blocks=-(-working_set // block_size) // 4,
+              enforce_eager=args.enforce_eager, async_scheduling=args.async_scheduling, **options)
+    llm.generate([list(range(1, 33))], SamplingParams(max_tokens=8), use_tqdm=False)  # warm-up
+    engine, before = llm.engine, replace(llm.stats)
+    histories, answers, ttft = [[] for _ in conversations], [], []
+    start = perf_counter()
+    for turn in range(args.turns):
+        for i, conversation in enumerate(conversations):
+            prompt, tokens = histories[i] + conversation[turn], []
+            sent = perf_counter()
+            engine.add_request(f"{i}.{turn}", prompt, SamplingParams(temperature=0, ignore_eos=True,
+                                                                     max_tokens=output_lens[i][turn]))
+            while engine.has_unfinished_requests():
+                for out in engine.step_fn():
+                    if not tokens:
+                        ttft.append(perf_counter() - sent)
+                    tokens += out.new_token_ids
+            histories[i] = prompt + tokens
+            answers.append(tokens)
+    wall, stats = perf_counter() - start, llm.stats
+    prompt_tokens = stats.num_prompt_tokens - before.num_prompt_tokens
+    cached = stats.num_cached_tokens - before.num_cached_tokens
+    host = stats.num_host_cached_tokens - before.num_host_cached_tokens
+    output_tokens = sum(map(len, answers))
+    result = dict(prompt_tokens=prompt_tokens, prompt_tokens_recomputed=prompt_tokens - cached,
+                  device_hit_rate=(cached - host) / prompt_tokens, host_hit_rate=host / prompt_tokens,
+                  ttft_p50_s=percentiles(ttft)[0], ttft_p90_s=percentiles(ttft)[1], output_tokens=output_tokens,
+                  wall_s=wall, tokens_per_s=output_tokens / wall, device_blocks=llm.engine.block_manager.num_blocks,
+                  offloaded_blocks=stats.num_offloaded_blocks, loaded_blocks=stats.num_loaded_blocks,
+                  answers=answers)
+    del llm
+    gc.collect()
+    return result
+
+
+def multi_turn(path: str, args, vocab_size: int, machine_info: dict) -> dict:
+    """The prefix cache's host tier off, then on, back to back, on the same conversations."""
+    rng = random.Random(args.seed)
+    conversations = [[[rng.randrange(3, vocab_size) for _ in range(rng.randint(*args.input_len))]
+                      for _ in range(args.turns)] for _ in range(args.num_prompts)]
+    output_lens = [[rng.randint(*args.output_len) for _ in range(args.turns)] for _ in range(args.num_prompts)]
+    print(f"multi-turn: {args.num_prompts} conversations x {args.turns} turns, messages {args.input_len}, "
+          f"answers {args.output_len} tokens, model {args.model}")
+    results = {"host tier off": run_multi_turn(path, args, conversations, output_lens),
+               "host tier on": run_multi_turn(path, args, conversations, output_lens, kv_offloading_size=1.0)}
+    same = results["host tier off"].pop("answers") == results["host tier on"].pop("answers")
+    print(f"{'':14} {'recomputed':>10} {'device hits':>11} {'host hits':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
+          f"{'tok/s':>7}")
+    for name, r in results.items():
+        print(f"{name:14} {r['prompt_tokens_recomputed']:>10} {r['device_hit_rate']:>11.1%} "
+              f"{r['host_hit_rate']:>9.1%} {r['ttft_p50_s'] * 1e3:>7.0f}ms {r['ttft_p90_s'] * 1e3:>7.0f}ms "
+              f"{r['tokens_per_s']:>7.1f}")
+    off, on = results["host tier off"], results["host tier on"]
+    ratios = {"TTFT p50 off / on": off["ttft_p50_s"] / on["ttft_p50_s"]}
+    print(f"TTFT p50 off / on: {ratios['TTFT p50 off / on']:.2f}x; the same answers: {same}")
+    report = dict(scenario="multi-turn", machine=machine_info, model=args.model, results=results, ratios=ratios,
+                  same_answers=same, workload=dict(conversations=args.num_prompts, turns=args.turns,
+                                                   input_len=args.input_len, output_len=args.output_len))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=2)
+    return report
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -663,6 +743,8 @@ def main(argv=None) -> dict:
             AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(tmp)
             path = tmp
         hf_config = AutoConfig.from_pretrained(path)
+        if args.multi_turn:
+            return multi_turn(path, args, hf_config.vocab_size, machine_info)
         prompts, output_lens = (make_lookup_workload(args, path) if args.lookup
                                 else make_workload(args, hf_config.vocab_size))
         print(f"{args.scenario}: {len(prompts)} prompts, {sum(map(len, prompts))} prompt tokens, "

@@ -31,6 +31,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.spec_decode import plug_in
 
         plug_in(engine)
+    if config.kv_offloading_size > 0:  # the prefix cache's host tier: kv_offload/
+        from nanoserve.kv_offload import plug_in as plug_in_host_tier
+
+        plug_in_host_tier(engine)
     if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
         step_recorder(engine, keep=True)
     # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,

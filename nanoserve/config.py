@@ -114,6 +114,7 @@ LIMITS = (
     ("gpu_memory_utilization", Real, lambda v: 0 < v <= 1, "in (0, 1]"),
     ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
     ("swap_space", Real, lambda v: v >= 0, ">= 0 (GiB)"),
+    ("kv_offloading_size", Real, lambda v: v >= 0, ">= 0 (GiB)"),
 )
 CHOICES = (
     ("scheduling_policy", ("fcfs", "priority")),
@@ -145,6 +146,7 @@ class Config:
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` values are served first (V0)
     preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
+    kv_offloading_size: float = 0.0  # GiB of host memory for evicted cached blocks (nanoserve/kv_offload/); 0: off
     async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
     elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu", "triton", "compile" or "torch"; "auto": fused
@@ -210,6 +212,7 @@ class Config:
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
         if self.preemption_mode == "swap" and self.swap_space == 0:
             raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
+        self._validate_host_memory()
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
@@ -226,6 +229,15 @@ class Config:
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
+
+    def _validate_host_memory(self) -> None:
+        """The prefix cache's host tier keeps blocks by their hash, and must fit in this machine's memory."""
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the host tier finds blocks by hash")
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+        if self.kv_offloading_size > total:
+            raise ValueError(f"kv_offloading_size ({self.kv_offloading_size} GiB) exceeds this host's memory "
+                             f"({total:.1f} GiB)")
 
     def _validate_pipeline(self) -> None:
         """Every stage needs a layer; torchrun must have started P x T ranks; on one machine every rank needs a GPU."""

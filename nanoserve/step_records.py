@@ -54,6 +54,12 @@ class StepRecord:
     # that had no child (their blocks freed; all of a search's beams in its last step).
     forked: list[tuple[int, int]] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
+    # The prefix cache's host tier (kv_offloading_size): the step's copies out (device, host) and back in (host,
+    # device), and the tier after it: host blocks holding a cached block, of how many.
+    blocks_offloaded: list[tuple[int, int]] = field(default_factory=list)
+    blocks_loaded: list[tuple[int, int]] = field(default_factory=list)
+    num_host_cached_blocks: int = 0
+    num_host_blocks: int = 0
 
 
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
@@ -70,6 +76,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
+    tier = bm.seams.kv_cache_tier  # kv_offload/'s HostKVTier, if plugged in
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *scheduler.swapped]
     return StepRecord(
         step=step, kind=kind, scheduled=scheduled,
@@ -91,6 +98,9 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
         blocks_copied=list(out.blocks_to_copy),
         forked=list(out.forked_beams), dropped=list(out.dropped_beams),
+        blocks_offloaded=list(out.blocks_to_offload), blocks_loaded=list(out.blocks_to_load),
+        num_host_cached_blocks=len(tier.cached) if tier is not None else 0,
+        num_host_blocks=tier.num_blocks if tier is not None else 0,
     )
 
 

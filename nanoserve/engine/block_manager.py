@@ -3,6 +3,7 @@ from collections import deque
 import numpy as np
 import xxhash
 
+from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.utils.math import cdiv
 
@@ -29,12 +30,15 @@ class BlockManager:
 
     Prefix caching: a full block is registered under its chained hash once its KV is computed.
     A later prompt with the same prefix reuses the block instead of recomputing it. A freed block
-    keeps its hash, so it can still be hit until it is handed out for other tokens.
+    keeps its hash, so it can still be hit until it is handed out for other tokens; with a second tier
+    (seams.kv_cache_tier: kv_offload/), its KV moves there then, and a later prefix miss can find it there.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 seams: Seams | None = None):
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.seams = Seams() if seams is None else seams  # the engine's: its kv_cache_tier, if any
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # left end is evicted first
@@ -55,28 +59,35 @@ class BlockManager:
 
     def _allocate_new_block(self) -> int:
         block = self._take_free_block(self.free_block_ids[0])
-        # The block is about to hold other tokens: its old hash must stop pointing at it.
+        # The block is about to hold other tokens: its old hash must stop pointing at it (its KV may go down a tier).
         if self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
+            if self.seams.kv_cache_tier is not None:
+                self.seams.kv_cache_tier.offload(block.block_id, block.hash, block.token_ids)
         block.hash, block.token_ids = -1, []
         return block.block_id
 
-    def _cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of seq, verified token by token."""
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """Block ids holding the longest cached prefix of seq, verified token by token; then the hashes of the
+        blocks after it that the second tier holds (kv_cache_tier), to copy back."""
         hit_ids: list[int] = []
+        tier_hashes: list[int] = []
         # A request for prompt_logprobs computes its whole prompt: cached tokens would get no logits (vLLM V1).
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
-            return hit_ids
+            return hit_ids, tier_hashes
         # Stop one token short of the end: the last token must be computed to get logits for it.
-        prefix_hash = -1
+        prefix_hash, tier = -1, self.seams.kv_cache_tier
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block(i)
             prefix_hash = compute_hash(token_ids, prefix_hash)
             block_id = self.hash_to_block_id.get(prefix_hash)
-            if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            if not tier_hashes and block_id is not None and self.blocks[block_id].token_ids == token_ids:
+                hit_ids.append(block_id)
+            elif tier is not None and tier.lookup(prefix_hash, token_ids):
+                tier_hashes.append(prefix_hash)
+            else:
                 break
-            hit_ids.append(block_id)
-        return hit_ids
+        return hit_ids, tier_hashes
 
     def _num_blocks_needed(self, seq: Sequence, hit_ids: list[int]) -> int:
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
@@ -84,15 +95,16 @@ class BlockManager:
 
     def num_new_tokens(self, seq: Sequence) -> int:
         """How many of seq's tokens allocate(seq) would leave to compute: those past its cached prefix."""
-        return len(seq) - len(self._cached_prefix(seq)) * self.block_size
+        return len(seq) - sum(map(len, self._cached_prefix(seq))) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
         """Would allocate(seq) succeed now? (Priority scheduling asks before evicting anyone for seq.)"""
-        return self._num_blocks_needed(seq, self._cached_prefix(seq)) <= self.num_free_blocks
+        return self._num_blocks_needed(seq, self._cached_prefix(seq)[0]) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> bool:
-        """Give seq's prompt its blocks, reusing cached ones. All or nothing: False changes no state."""
-        hit_ids = self._cached_prefix(seq)
+        """Give seq's prompt its blocks, reusing cached ones (a block the second tier holds comes back into a
+        fresh block: cached at once, as its copy runs before the forward). All or nothing: False changes no state."""
+        hit_ids, tier_hashes = self._cached_prefix(seq)
         if self._num_blocks_needed(seq, hit_ids) > self.num_free_blocks:
             return False
         for block_id in hit_ids:
@@ -100,9 +112,20 @@ class BlockManager:
                 self.blocks[block_id].ref_count += 1
             else:
                 self._take_free_block(block_id)
+        for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
+            block = self.blocks[self._allocate_new_block()]
+            block.hash, block.token_ids = block_hash, seq.block(i)
+            self.hash_to_block_id[block_hash] = block.block_id
+            self.seams.kv_cache_tier.load(block_hash, block.block_id)
+            hit_ids.append(block.block_id)
         seq.block_table = hit_ids + [self._allocate_new_block() for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         return True
+
+    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The block copies to and from the second tier this step's allocations asked for (none without one)."""
+        tier = self.seams.kv_cache_tier
+        return ([], []) if tier is None else tier.take_copies()
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register the blocks that became full of computed KV as seq's tokens start..end were computed.

@@ -49,7 +49,7 @@ class EngineCore:
         self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
         self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+                                          config.enable_prefix_caching, self.seams)
         swap_pool = (BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
                      if config.preemption_mode == "swap" else None)  # a second allocator, over the host pool
         self.scheduler = Scheduler(config, self.block_manager, swap_pool, self.seams.needs_newest_token)

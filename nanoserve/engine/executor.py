@@ -29,8 +29,10 @@ class Executor:
 
     def launch(self, out: SchedulerOutput, inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
         """The step up to the logits: returns the inputs that ran (with a draft model's drafts) and their logits."""
-        if out.blocks_to_swap_out or out.blocks_to_swap_in or out.blocks_to_copy:
-            self.call("swap_blocks", out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy)
+        copies = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, out.blocks_to_offload,
+                  out.blocks_to_load)
+        if any(copies):
+            self.call("swap_blocks", *copies)
         if self.seams.propose is not None:  # the seam before the forward: a draft model fills the lookahead slots
             inputs = self.seams.propose(out, inputs, self.run_draft)
         self.model_runner.fill_placeholders(inputs)

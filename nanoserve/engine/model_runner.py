@@ -45,6 +45,7 @@ class ModelRunner:
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])  # the swap pool, if any: below
+        self.num_offload_blocks, self.offload_kv_cache = 0, torch.tensor([])  # the prefix cache's host tier, if any
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
         if dist.is_initialized():  # every rank must hold the blocks rank 0's scheduler hands out
             num_blocks = torch.tensor(self.num_kvcache_blocks, device=self.device)
@@ -55,7 +56,9 @@ class ModelRunner:
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
         self._allocate_kv_cache(self.num_kvcache_blocks)
         if config.preemption_mode == "swap":
-            self._allocate_host_cache()
+            self.num_host_blocks, self.host_kv_cache = self._allocate_host_cache("swap_space")
+        if config.kv_offloading_size:  # not shared with the swap pool: docs/kv_offload.md says why
+            self.num_offload_blocks, self.offload_kv_cache = self._allocate_host_cache("kv_offloading_size")
         # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path plans
         # each batch on the host and stays eager.
         if self.device.type == "cuda" and config.attention_backend != "torch" and not config.enforce_eager:
@@ -83,21 +86,30 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.store, layer.impl = store, impl
 
-    def _allocate_host_cache(self) -> None:
-        """The swap pool: swap_space GiB of host memory shaped like kv_cache (page-locked on CUDA, as vLLM's)."""
-        self.num_host_blocks = int(self.config.swap_space * 2**30) // self._block_bytes()
-        if self.num_host_blocks < 1:
-            raise ValueError(f"swap_space ({self.config.swap_space} GiB) is too small for one KV block "
+    def _allocate_host_cache(self, option: str) -> tuple[int, torch.Tensor]:
+        """A host pool (the swap pool: swap_space; the prefix cache's host tier: kv_offloading_size): that many GiB
+        of host memory shaped like kv_cache (page-locked on CUDA, as vLLM's). Returns (its blocks, the tensor)."""
+        num_blocks = int(getattr(self.config, option) * 2**30) // self._block_bytes()
+        if dist.is_initialized():  # every rank must hold the blocks rank 0 hands out
+            num_blocks_tensor = torch.tensor(num_blocks, device=self.device)
+            dist.all_reduce(num_blocks_tensor, dist.ReduceOp.MIN)
+            num_blocks = int(num_blocks_tensor)
+        if num_blocks < 1:
+            raise ValueError(f"{option} ({getattr(self.config, option)} GiB) is too small for one KV block "
                              f"({self._block_bytes()} bytes)")
-        shape = (*self.kv_cache.shape[:2], self.num_host_blocks, *self.kv_cache.shape[3:])
-        self.host_kv_cache = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+        shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
+        return num_blocks, torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
 
     def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
-                    blocks_to_copy: list[tuple[int, int]]) -> None:
-        """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the
-        host pool, returning requests' KV back in, then copy-on-write copies inside the device pool."""
+                    blocks_to_copy: list[tuple[int, int]], blocks_to_offload: list[tuple[int, int]] = (),
+                    blocks_to_load: list[tuple[int, int]] = ()) -> None:
+        """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the swap
+        pool and evicted cached blocks' KV to the host tier (reads of the device pool first), returning requests'
+        KV and host-tier hits back in, then copy-on-write copies inside the device pool."""
         for mapping, src, dst in ((blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
+                                  (blocks_to_offload, self.kv_cache, self.offload_kv_cache),
                                   (blocks_to_swap_in, self.host_kv_cache, self.kv_cache),
+                                  (blocks_to_load, self.offload_kv_cache, self.kv_cache),
                                   (blocks_to_copy, self.kv_cache, self.kv_cache)):
             if mapping:
                 src_ids, dst_ids = zip(*mapping)

@@ -21,9 +21,7 @@ class Scheduler:
         self.block_manager = block_manager
         self.host_block_manager = host_block_manager  # the swap pool, in host memory (preemption_mode="swap")
         self.needs_newest_token = [] if needs_newest_token is None else needs_newest_token  # a seam: _sits_out
-        self.waiting = RequestQueue(config.scheduling_policy)
-        self.running = RequestQueue(config.scheduling_policy)
-        self.swapped = RequestQueue(config.scheduling_policy)
+        self.waiting, self.running, self.swapped = (RequestQueue(config.scheduling_policy) for _ in range(3))
         self.stats = SchedulerStats()
 
     def add(self, seq: Sequence) -> None:
@@ -62,8 +60,10 @@ class Scheduler:
         return self._commit(out)
 
     def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The plan counts as done (V1): a step planned before this one is back starts where it ends (async)."""
+        """The plan counts as done (V1): a step planned before this one is back starts where it ends (async). It
+        takes the copies to and from the prefix cache's second tier that its allocations asked for."""
         self.stats.num_prefill_steps += out.is_prefill
+        out.blocks_to_offload, out.blocks_to_load = self.block_manager.take_tier_copies()
         for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
             seq.num_computed_tokens += num_tokens
             seq.num_output_placeholders += do_sample

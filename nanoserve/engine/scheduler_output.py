@@ -14,9 +14,10 @@ class SchedulerOutput:
     """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
 
     seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens[i] on; it samples a next
-    token only if that reaches its end (do_sample[i]). The block copies run before the forward, swap-outs first
-    (a block they free may be a copy's destination). A step never swaps both ways (swap-ins wait for a step
-    that preempted nobody), and a sequence that got a copy this step is never preempted in it.
+    token only if that reaches its end (do_sample[i]). The block copies run before the forward: those that read
+    the device pool (swap-outs, offloads) before those that write it (a block they free may be a destination).
+    A step never swaps both ways (swap-ins wait for a step that preempted nobody), and a sequence that got a copy
+    this step is never preempted in it.
     """
 
     seqs: list[Sequence] = field(default_factory=list)
@@ -28,6 +29,9 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
+    # The prefix cache's second tier (kv_offloading_size): evicted cached blocks out, hits back in. Out runs first.
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
     # What the step's output did, written as it is taken in, for the step's record (nanoserve/step_records.py):
@@ -71,4 +75,7 @@ class SchedulerStats:
     num_priority_preemptions: int = 0  # running requests evicted for a more urgent waiting one (priority policy)
     num_swapped_out: int = 0  # preemptions that moved the KV to host memory (the others recompute)
     num_swapped_in: int = 0  # swapped-out requests whose KV was copied back
+    num_offloaded_blocks: int = 0  # evicted cached blocks whose KV was copied to the host tier (kv_offload/)
+    num_loaded_blocks: int = 0  # blocks copied back from the host tier for a prefix the device missed
+    num_host_cached_tokens: int = 0  # the part of num_cached_tokens the host tier served (host hits)
     spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # lookahead tokens verified

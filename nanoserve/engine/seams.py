@@ -8,6 +8,7 @@ runs no feature code.
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler_output import SchedulerOutput
@@ -16,6 +17,24 @@ from nanoserve.layers.sampler import LogitsProcessor
 
 # (the step's plan, each sequence that got tokens -> how many) -> outputs of the requests the hook finished
 AfterStep = Callable[[SchedulerOutput, dict[Sequence, int]], list[EngineCoreOutput]]
+
+
+
+class KVCacheTier(Protocol):
+    """A second tier for the prefix cache, below the device pool (kv_offload/: host memory). The BlockManager
+    calls it; the tier records the block copies it wants, and the scheduler takes them into the step's plan."""
+
+    def offload(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:
+        """The device is about to reuse block_id, a free block still cached under block_hash: keep its KV."""
+
+    def lookup(self, block_hash: int, token_ids: list[int]) -> bool:
+        """Does the tier hold this block (a prefix the device missed)? A hit is kept for this step's copies."""
+
+    def load(self, block_hash: int, block_id: int) -> None:
+        """Copy the block held under block_hash into the fresh device block block_id, before the forward."""
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The step's (device, tier) copies out and (tier, device) copies in, in the order made; the books reset."""
 
 
 @dataclass
@@ -43,6 +62,9 @@ class Seams:
     # 8. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
     #    process's ModelRunner alone (engine/executor.py).
     executor_class: type | None = None
+    # 9. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
+    #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
+    kv_cache_tier: KVCacheTier | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)

@@ -42,6 +42,13 @@ class EngineCollector(Collector):
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", stats.num_prompt_tokens),
             "prefix_cache_hits": ("Prompt tokens found in the prefix cache", stats.num_cached_tokens),
             "num_preemptions": ("Requests preempted (recomputed or swapped out)", stats.num_preemptions),
+            # the prefix cache's host tier (kv_offloading_size; vLLM's external_prefix_cache_* for a cache outside
+            # the device pool): 0 without it
+            "external_prefix_cache_hits": ("Prompt tokens found in the host tier and copied back",
+                                           stats.num_host_cached_tokens),
+            "kv_offload_blocks_offloaded": ("Evicted cached KV blocks copied to the host tier",
+                                            stats.num_offloaded_blocks),
+            "kv_offload_blocks_loaded": ("KV blocks copied back from the host tier", stats.num_loaded_blocks),
             # speculative decoding (vLLM's spec_decode_* names): 0 without a speculative_config
             "spec_decode_num_drafts": ("Verifications of a request's draft tokens", stats.spec_decoding.num_drafts),
             "spec_decode_num_draft_tokens": ("Draft tokens proposed", stats.spec_decoding.num_draft_tokens),
