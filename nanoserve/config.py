@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
@@ -114,6 +115,9 @@ LIMITS = (
     ("gpu_memory_utilization", Real, lambda v: 0 < v <= 1, "in (0, 1]"),
     ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
     ("swap_space", Real, lambda v: v >= 0, ">= 0 (GiB)"),
+    ("max_loras", Integral, lambda v: v >= 1, ">= 1"),
+    ("max_lora_rank", Integral, lambda v: v >= 1, ">= 1"),
+    ("max_cpu_loras", Integral, lambda v: v >= 1, ">= 1"),  # or None: max_loras
 )
 CHOICES = (
     ("scheduling_policy", ("fcfs", "priority")),
@@ -156,6 +160,10 @@ class Config:
     pipeline_parallel_size: int = 1  # stages that each hold 1/P of the layers, T ranks each (docs/parallelism.md)
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
+    enable_lora: bool = False  # serve LoRA adapters (generate(..., lora_request=...); nanoserve/lora/)
+    max_loras: int = 1  # adapters one step may use: their A and B weights sit in as many slots on the device
+    max_lora_rank: int = 16  # the largest rank an adapter may have (the slots' size)
+    max_cpu_loras: int | None = None  # adapters kept read in host memory, least recently used evicted; None: max_loras
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -195,7 +203,7 @@ class Config:
         """The limits table, the choices, then what depends on several options or on the model."""
         for name, kind, allowed, limit in LIMITS:
             value = getattr(self, name)
-            if value is None and name == "num_kvcache_blocks":
+            if value is None and name in ("num_kvcache_blocks", "max_cpu_loras"):
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise ValueError(f"{name} must be {'an integer' if kind is Integral else 'a number'}, got {value!r}")
@@ -221,6 +229,8 @@ class Config:
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
         self._validate_pipeline()
+        if self.enable_lora:
+            validate_lora_options(self)
         if self.speculative_config is not None:
             self._validate_speculative_config()
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours

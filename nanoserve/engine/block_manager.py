@@ -16,6 +16,11 @@ def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
     return h.intdigest()
 
 
+def hash_root(seq: Sequence) -> int:
+    """The hash seq's first block chains from: -1, or its LoRA adapter's (the same tokens, other KV)."""
+    return -1 if seq.lora_request is None else seq.lora_request.hash_root
+
+
 class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -68,7 +73,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hit_ids
         # Stop one token short of the end: the last token must be computed to get logits for it.
-        prefix_hash = -1
+        prefix_hash = hash_root(seq)
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block(i)
             prefix_hash = compute_hash(token_ids, prefix_hash)
@@ -114,7 +119,7 @@ class BlockManager:
             return
         for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else hash_root(seq)
             block.token_ids = seq.block(i)
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
