@@ -29,6 +29,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.spec_decode import plug_in
 
         plug_in(engine)
+    if config.enable_lora:  # LoRA adapters: lora/
+        from nanoserve.lora import LoRAManager
+
+        LoRAManager.plug_in(engine)
     if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
         step_recorder(engine, keep=True)
     seams.request_options["structured_outputs"] = lambda request: structured_output_manager(engine).add_request(
