@@ -135,14 +135,12 @@ def test_max_loras_slots(tiny_models, adapters):
 def test_an_adapter_that_does_not_fit_waits_without_blocking_the_base_model(tiny_models, adapters):
     """max_loras=1: the second adapter's request is skipped while the first runs and keeps its place; the
     base-model request behind it runs in the first step."""
-    llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=1, **ROOMY_POOL)
-    steps = []
-    llm.engine.seams.observers.append(lambda out, seqs: out is not None and steps.append(
-        [s.lora_request and s.lora_request.lora_int_id for s in out.seqs]))
+    llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=1, trace=True, **ROOMY_POOL)
     loras = [adapters["qwen2"][1], adapters["qwen2"][2], None]
     outputs = llm.generate(PROMPTS[:3], GREEDY, use_tqdm=False, lora_request=loras)
-    assert steps[0] == [1, None]
-    assert 2 in steps[-1] and all(1 not in step for step in steps if 2 in step)
+    steps = [[row.lora_name for row in record.scheduled] for record in llm.trace]  # the trace names each row's
+    assert steps[0] == ["qwen2-1", None]
+    assert "qwen2-2" in steps[-1] and all("qwen2-1" not in step for step in steps if "qwen2-2" in step)
     assert_equal_to_peft(tiny_models["qwen2"], outputs, loras)
 
 
