@@ -1,7 +1,7 @@
 """LoRA adapters (nanoserve/lora/): greedy float32 output equals transformers with the adapter applied by peft,
 token for token, with three random adapters and base-model requests in one batch, on the three architectures,
-through preemption (recompute, swap), chunked prefill, async scheduling and the prefix cache; the max_loras cap;
-the prefix cache keyed by adapter; bad adapters refused with a ValueError naming what is wrong."""
+through preemption (recompute, swap), chunked prefill, async scheduling and priority; the max_loras cap; the
+prefix cache keyed by adapter; bad adapters refused with a ValueError naming what is wrong."""
 import functools
 import json
 import shutil
@@ -89,6 +89,7 @@ SCHEDULES = {
     "swap": dict(num_kvcache_blocks=12, block_size=4, preemption_mode="swap", swap_space=0.01),
     "chunked": dict(**ROOMY_POOL, enable_chunked_prefill=True, max_num_batched_tokens=16, block_size=4),
     "async": dict(**ROOMY_POOL, async_scheduling=True),
+    "priority": dict(num_kvcache_blocks=12, block_size=4, scheduling_policy="priority"),
 }
 
 
@@ -97,11 +98,12 @@ SCHEDULES = {
 def test_mixed_batch_equals_peft(tiny_models, adapters, arch, schedule):
     llm = LLM(tiny_models[arch], enable_lora=True, max_loras=3, **SCHEDULES[schedule])
     loras = mixed(adapters[arch])
-    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    priority = [len(PROMPTS) - i for i in range(len(PROMPTS))] if schedule == "priority" else None  # last first
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, priority=priority, lora_request=loras)
     assert_equal_to_peft(tiny_models[arch], outputs, loras)
     stats = llm.stats  # the schedule did what it is named for
     assert {"recompute": stats.num_preemptions, "swap": stats.num_swapped_out, "chunked": stats.num_chunked_prefills,
-            }.get(schedule, 1) > 0
+            "priority": stats.num_preemptions}.get(schedule, 1) > 0
 
 
 def test_logprobs_and_a_single_adapter_for_all_prompts(tiny_models, adapters):
