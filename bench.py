@@ -51,6 +51,7 @@ import nanoserve  # noqa: F401  first: its CPU thread defaults (nanoserve/utils/
 import numpy as np
 import torch
 import transformers
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -62,7 +63,7 @@ from transformers import (
 )
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, LoRARequest, SamplingParams
 from nanoserve.config import Config
 from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.linear import linear, reorder_for_cpu
@@ -129,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--speculative-config", type=json.loads, metavar="JSON",
                    help="nanoserve also runs with this speculative_config, e.g. "
                         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}': with vs without")
+    p.add_argument("--lora", type=int, metavar="N",
+                   help="nanoserve: the workload spread over N random rank-16 LoRA adapters, beside the base model "
+                        "and one adapter merged into its weights (no other peers)")
     p.add_argument("--max-num-seqs", type=int, help="nanoserve: most requests per batch (1: batch 1)")
     p.add_argument("--enable-chunked-prefill", action="store_true",
                    help="nanoserve: a token budget per step, long prompts cut into chunks (vLLM's default)")
@@ -281,8 +285,10 @@ def memory_bandwidth(device: torch.device, size: int = 2**29) -> float:
     return size / best
 
 
-def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], warmup: list[int]) -> dict:
-    """Drive the engine like LLM.generate does, timestamping each request's first and last token."""
+def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], warmup: list[int],
+                  loras: list[LoRARequest | None] | None = None) -> dict:
+    """Drive the engine like LLM.generate does, timestamping each request's first and last token. loras: each
+    request's adapter (--lora)."""
     engine = llm.engine
     t = perf_counter()
     llm.generate([warmup], SamplingParams(max_tokens=8), use_tqdm=False)
@@ -291,7 +297,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in output_lens]
     start = perf_counter()
     for i, (ids, sp) in enumerate(zip(prompts, params)):
-        engine.add_request(str(i), ids, sp)
+        engine.add_request(str(i), ids, sp, lora_request=None if loras is None else loras[i])
     first_token, finish, token_ids, cached = {}, {}, [[] for _ in prompts], [0] * len(prompts)
     while engine.has_unfinished_requests():
         outputs = engine.step_fn()
@@ -321,7 +327,8 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     )
 
 
-def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", **options) -> dict:
+def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto",
+                    loras: list[LoRARequest | None] | None = None, **options) -> dict:
     options.setdefault("attention_backend", args.attention_backends[0])
     options.setdefault("elementwise_backend", args.elementwise_backends[0])
     options.setdefault("kv_cache_dtype", args.kv_cache_dtypes[0])
@@ -339,7 +346,7 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
     # (Otherwise the prompts of the first prefill step would all miss: blocks are cached once computed.)
     # It also compiles the Triton kernels' variants that CUDA graphs did not: warmup_s shows that cost.
     warmup = prompts[0][: args.prefix_len] if args.shared_prefix else list(range(1, 33))
-    result = run_nanoserve(llm, prompts, output_lens, warmup)
+    result = run_nanoserve(llm, prompts, output_lens, warmup, loras)
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
                   async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
@@ -359,6 +366,50 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto", 
 
 
 # ---- the physical limit -----------------------------------------------------------------------
+LORA_TARGETS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+                "mlp.up_proj", "mlp.down_proj")
+
+
+def make_lora_adapters(path: str, folder: str, n: int, rank: int = 16, seed: int = 0) -> list[LoRARequest]:
+    """n random adapters of the given rank on every target, in PEFT's format (--lora): what serving many
+    fine-tunes of one model costs does not depend on what they learned."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed)
+    loras = []
+    for i in range(1, n + 1):
+        weights = {}
+        for layer in range(model.config.num_hidden_layers):
+            for name in LORA_TARGETS:
+                out_features, in_features = model.get_submodule(f"model.layers.{layer}.{name}").weight.shape
+                key = f"base_model.model.model.layers.{layer}.{name}"
+                weights[f"{key}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+                weights[f"{key}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator) * 0.01
+        os.makedirs(lora_path := os.path.join(folder, f"lora-{i}"))
+        save_file(weights, os.path.join(lora_path, "adapter_model.safetensors"))
+        with open(os.path.join(lora_path, "adapter_config.json"), "w") as f:
+            json.dump(dict(peft_type="LORA", r=rank, lora_alpha=2 * rank, base_model_name_or_path=path,
+                           target_modules=[name.split(".")[1] for name in LORA_TARGETS]), f)
+        loras.append(LoRARequest(f"lora-{i}", i, lora_path))
+    return loras
+
+
+def merge_lora(path: str, lora: LoRARequest, folder: str) -> str:
+    """The base model with one adapter merged into its weights (W + scaling * B @ A): the peer that serves a
+    single fine-tune at the base model's cost."""
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with open(os.path.join(lora.lora_path, "adapter_config.json")) as f:
+        config = json.load(f)
+    weights = load_file(os.path.join(lora.lora_path, "adapter_model.safetensors"))
+    with torch.no_grad():
+        for key, a in weights.items():
+            if key.endswith("lora_A.weight"):
+                name = key.removeprefix("base_model.model.").removesuffix(".lora_A.weight")
+                b = weights[key.replace("lora_A", "lora_B")]
+                model.get_submodule(name).weight += config["lora_alpha"] / config["r"] * (b @ a)
+    model.save_pretrained(folder)
+    return folder
+
+
 def linear_shapes(config) -> tuple[list[tuple[int, int]], tuple[int, int]]:
     """(in, out) features of one decoder layer's projections (q/k/v fused, o, gate/up fused, down), and the
     LM head's: the weight matrices every token of a step multiplies with."""
@@ -752,7 +803,17 @@ def main(argv=None) -> dict:
         results: dict[str, dict] = {}
         ratios: dict[str, float] = {}
         skipped: dict[str, str] = {}  # optional peers that cannot run here, and why
-        if args.shared_prefix:
+        if args.lora:  # the same workload on the base model, over --lora adapters, and one adapter merged
+            loras = make_lora_adapters(path, tmp, args.lora)
+            base = results["nanoserve base model"] = bench_nanoserve(path, args, prompts, output_lens, args.dtypes[0])
+            spread = [loras[i % args.lora] for i in range(len(prompts))]
+            lora = results[f"nanoserve {args.lora} LoRA adapters"] = bench_nanoserve(
+                path, args, prompts, output_lens, args.dtypes[0], spread, enable_lora=True, max_loras=args.lora)
+            merged = results["nanoserve 1 adapter merged"] = bench_nanoserve(
+                merge_lora(path, loras[0], os.path.join(tmp, "merged")), args, prompts, output_lens, args.dtypes[0])
+            ratios[f"{args.lora} LoRA adapters / base model"] = lora["tokens_per_s"] / base["tokens_per_s"]
+            ratios["1 adapter merged / base model"] = merged["tokens_per_s"] / base["tokens_per_s"]
+        elif args.shared_prefix:
             on = results["nanoserve (prefix cache)"] = bench_nanoserve(path, args, prompts, output_lens,
                                                                       args.dtypes[0])
             off = results["nanoserve (no prefix cache)"] = bench_nanoserve(

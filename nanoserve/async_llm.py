@@ -10,6 +10,7 @@ from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore, EngineCoreOutput
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.llm import Prompt, make_config, prompt_text, prompt_token_ids
+from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams
 
@@ -45,13 +46,14 @@ class AsyncLLM:
         self.thread.start()
 
     async def generate(self, prompt: Prompt, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, priority: int = 0,
+                       lora_request: LoRARequest | None = None) -> AsyncIterator[RequestOutput]:
         params = sampling_params or SamplingParams()
         token_ids = prompt_token_ids(self.tokenizer, prompt)
         request_id = str(next(self.request_ids)) if request_id is None else request_id
-        self.engine_core.check_request(token_ids, params, priority)  # a bad request fails here, not in the loop
+        self.engine_core.check_request(token_ids, params, priority, lora_request)  # fails here, not in the loop
         state = RequestState(request_id, prompt_text(prompt), token_ids, params.output_kind, params.n)
-        add = partial(self.engine_core.add_request, request_id, token_ids, params, priority)
+        add = partial(self.engine_core.add_request, request_id, token_ids, params, priority, lora_request)
         async for output in self._stream(state, ("add", request_id, add)):
             yield output
 

@@ -35,6 +35,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.kv_offload import plug_in as plug_in_host_tier
 
         plug_in_host_tier(engine)
+    if config.enable_lora:  # LoRA adapters: lora/
+        from nanoserve.lora import LoRAManager
+
+        LoRAManager.plug_in(engine)
     if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
         step_recorder(engine, keep=True)
     # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,

@@ -1,4 +1,3 @@
-import importlib.util
 import math
 import os
 from dataclasses import dataclass, field
@@ -8,76 +7,9 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
-from nanoserve.utils.cpu_kernel import load_cpu_kernel
-
-
-def pick_attention_backend(name: str, device: str, dtype: str, kv_cache_dtype: str = "auto") -> str:
-    """Resolve "auto" (flash-attn, else Triton on CUDA; on CPU the C++ kernel in float32 where it builds, else
-    PyTorch), or check that `name` can run here. flash-attn 2 reads no fp8 cache: with it, "auto" skips flash-attn."""
-    choices = ("auto", "flash_attn", "triton", "cpu", "torch")
-    if name not in choices:
-        raise ValueError(f"attention_backend must be one of {choices}, got {name!r}")
-    installed = {b: importlib.util.find_spec(b) is not None for b in ("flash_attn", "triton")}
-    if kv_cache_dtype == "fp8" and name == "flash_attn":
-        raise ValueError("kv_cache_dtype='fp8' is read by the triton, cpu and torch attention backends, not flash_attn")
-    if name == "auto" and device == "cuda":
-        usable = ("triton",) if kv_cache_dtype == "fp8" else ("flash_attn", "triton")
-        return next((b for b in usable if installed[b]), "torch")
-    if name == "auto":
-        return "cpu" if cpu_kernel_runs("paged_attention_cpu", device, dtype) else "torch"
-    if name == "flash_attn" and not installed[name]:
-        raise ValueError(f"attention_backend={name!r}, but {name} is not installed")
-    if name == "flash_attn" and device != "cuda":
-        raise ValueError(f"attention_backend='flash_attn' needs CUDA, but device is {device!r}")
-    if name == "triton":
-        check_triton("attention_backend", device)
-    if name == "cpu":
-        check_cpu_kernel("attention_backend", "paged_attention_cpu", device, dtype)
-    return name
-
-
-def check_triton(field: str, device: str) -> None:
-    """field='triton' asks for Triton kernels: installed, and on CUDA or (slowly, for tests) Triton's interpreter."""
-    if importlib.util.find_spec("triton") is None:
-        raise ValueError(f"{field}='triton', but triton is not installed")
-    if device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError(f"{field}='triton' on device {device!r} needs Triton's interpreter (slow, for tests): "
-                         "export TRITON_INTERPRET=1 before starting Python")
-
-
-def cpu_kernel_runs(source: str, device: str, dtype: str) -> bool:
-    """What "auto" asks: nanoserve's C++ kernel csrc/<source>.cpp is float32 on the CPU, and must build here."""
-    return device == "cpu" and dtype == "float32" and not isinstance(load_cpu_kernel(source), str)
-
-
-def check_cpu_kernel(field: str, source: str, device: str, dtype: str) -> None:
-    """field='cpu' asks for nanoserve's C++ kernel csrc/<source>.cpp: float32, on the CPU, and it must build."""
-    if device != "cpu" or dtype != "float32":
-        raise ValueError(f"{field}='cpu' is a float32 kernel for the CPU, got device {device!r} and dtype {dtype!r}")
-    if isinstance(why := load_cpu_kernel(source), str):
-        raise ValueError(f"{field}='cpu': the kernel could not be built here ({why})")
-
-
-def pick_elementwise_backend(name: str, device: str, dtype: str) -> str:
-    """RMSNorm, SwiGLU and RoPE (layers/elementwise_backend.py): "torch" (eager, the code to read), "cpu" (C++,
-    one pass each), "triton" (one kernel each), "compile" (torch.compile). "auto": "triton" on CUDA where it is
-    installed; "cpu" on the CPU in float32 where it builds; else "torch"."""
-    choices = ("auto", "torch", "cpu", "triton", "compile")
-    if name not in choices:
-        raise ValueError(f"elementwise_backend must be one of {choices}, got {name!r}")
-    if name == "auto" and device == "cuda":
-        return "triton" if importlib.util.find_spec("triton") is not None else "torch"
-    if name == "auto":
-        return "cpu" if cpu_kernel_runs("elementwise_cpu", device, dtype) else "torch"
-    if name == "cpu":
-        check_cpu_kernel("elementwise_backend", "elementwise_cpu", device, dtype)
-    if name == "triton":
-        check_triton("elementwise_backend", device)
-    if name == "compile" and device != "cpu":
-        raise ValueError(f"elementwise_backend='compile' is for the CPU (not tried with CUDA graphs), got device "
-                         f"{device!r}")
-    return name
+from nanoserve.utils.backends import pick_attention_backend, pick_elementwise_backend
 
 
 def has_tokenizer(path: str) -> bool:
@@ -115,6 +47,9 @@ LIMITS = (
     ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
     ("swap_space", Real, lambda v: v >= 0, ">= 0 (GiB)"),
     ("kv_offloading_size", Real, lambda v: v >= 0, ">= 0 (GiB)"),
+    ("max_loras", Integral, lambda v: v >= 1, ">= 1"),
+    ("max_lora_rank", Integral, lambda v: v >= 1, ">= 1"),
+    ("max_cpu_loras", Integral, lambda v: v >= 1, ">= 1"),  # or None: max_loras
 )
 CHOICES = (
     ("scheduling_policy", ("fcfs", "priority")),
@@ -158,6 +93,10 @@ class Config:
     pipeline_parallel_size: int = 1  # stages that each hold 1/P of the layers, T ranks each (docs/parallelism.md)
     trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
     speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
+    enable_lora: bool = False  # serve LoRA adapters (generate(..., lora_request=...); nanoserve/lora/)
+    max_loras: int = 1  # adapters one step may use: their A and B weights sit in as many slots on the device
+    max_lora_rank: int = 16  # the largest rank an adapter may have (the slots' size)
+    max_cpu_loras: int | None = None  # adapters kept read in host memory, least recently used evicted; None: max_loras
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -197,7 +136,7 @@ class Config:
         """The limits table, the choices, then what depends on several options or on the model."""
         for name, kind, allowed, limit in LIMITS:
             value = getattr(self, name)
-            if value is None and name == "num_kvcache_blocks":
+            if value is None and name in ("num_kvcache_blocks", "max_cpu_loras"):
                 continue
             if isinstance(value, bool) or not isinstance(value, kind):
                 raise ValueError(f"{name} must be {'an integer' if kind is Integral else 'a number'}, got {value!r}")
@@ -224,6 +163,8 @@ class Config:
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
         self._validate_pipeline()
+        if self.enable_lora:
+            validate_lora_options(self)
         if self.speculative_config is not None:
             self._validate_speculative_config()
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours

@@ -9,6 +9,7 @@ from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler_output import SchedulerStats
+from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 from nanoserve.utils.default_model import resolve_model
@@ -64,9 +65,11 @@ class LLM:
     def stats(self) -> SchedulerStats:
         return self.engine.scheduler.stats
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None,
-                 use_tqdm: bool = True, priority: list[int] | None = None) -> list[RequestOutput]:
-        """priority (scheduling_policy="priority"): one per prompt; lower values are served first."""
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: Params = None, use_tqdm: bool = True,
+                 priority: list[int] | None = None,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """priority (scheduling_policy="priority"): one per prompt; lower values are served first. lora_request
+        (enable_lora=True): the adapter for every prompt, or one per prompt (None: the base model)."""
         prompts = prompt_list(prompts)
         if not isinstance(sampling_params, list):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -75,11 +78,14 @@ class LLM:
         priority = [0] * len(prompts) if priority is None else list(priority)
         if len(priority) != len(prompts):
             raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
         token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
-        for request in zip(token_ids, sampling_params, priority):  # all checked before any request is queued
+        for request in zip(token_ids, sampling_params, priority, loras):  # all checked before any is queued
             self.engine.check_request(*request)
         return self._add_and_run(prompts, token_ids, [p.n for p in sampling_params], use_tqdm, lambda request_id, i: (
-            self.engine.add_request(request_id, token_ids[i], sampling_params[i], priority[i])))
+            self.engine.add_request(request_id, token_ids[i], sampling_params[i], priority[i], loras[i])))
 
     def _add_and_run(self, prompts: list[Prompt], token_ids: list[list[int]], ns: list[int], use_tqdm: bool,
                      add: Callable[[str, int], None]) -> list[RequestOutput]:
@@ -112,8 +118,8 @@ class LLM:
         pbar.close()
         return [finals[request_id] for request_id in states]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params = None, use_tqdm: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
         if self.tokenizer is None:
             raise ValueError("chat: this model folder has no tokenizer, so it has no chat template")
@@ -123,4 +129,4 @@ class LLM:
         # The template already holds any special tokens (BOS): do not let encode add them twice.
         prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
                    for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

@@ -25,6 +25,7 @@ class ScheduledRequest:
     # Speculative decoding: the draft tokens it verified (num_tokens counts them too), and how many passed.
     spec_token_ids: list[int] = field(default_factory=list)
     num_accepted_tokens: int = 0
+    lora_name: str | None = None  # the LoRA adapter its rows computed with (enable_lora); None: the base model
 
 
 @dataclass
@@ -68,7 +69,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     drafts = out.scheduled_spec_decode_tokens
     scheduled = [ScheduledRequest(request_id=seq.request_id, seq_id=seq.seq_id, num_tokens=n, start=start,
                                   sampled=sample, is_decode=out.is_decode(i), spec_token_ids=drafts.get(seq.seq_id, []),
-                                  num_accepted_tokens=out.num_accepted_tokens.get(seq.seq_id, 0))
+                                  num_accepted_tokens=out.num_accepted_tokens.get(seq.seq_id, 0),
+                                  lora_name=seq.lora_request and seq.lora_request.lora_name)
                  for i, (seq, n, start, sample) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
                                                                  out.num_computed_tokens, out.do_sample))]
     decodes = [r.is_decode for r in scheduled]

@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import Config, pick_attention_backend
+from nanoserve.config import Config
 from nanoserve.layers.attention import AttentionMetadata, attention_backend, to_cache_dtype
+from nanoserve.utils.backends import pick_attention_backend
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 KERNEL = load_cpu_kernel("paged_attention_cpu")
@@ -94,7 +95,7 @@ def test_backend_choice(tiny_models, monkeypatch):
     with pytest.raises(ValueError, match="float32 kernel for the CPU, got device 'cuda'"):
         pick_attention_backend("cpu", "cuda", "float32")
     # Where it cannot be built (no compiler, no OpenMP): "auto" keeps PyTorch's path, asking for it says why.
-    monkeypatch.setattr("nanoserve.config.load_cpu_kernel", lambda source: "CalledProcessError: no compiler")
+    monkeypatch.setattr("nanoserve.utils.backends.load_cpu_kernel", lambda source: "CalledProcessError: no compiler")
     assert Config(path, device="cpu").attention_backend == "torch"
     with pytest.raises(ValueError, match=r"attention_backend='cpu': the kernel could not be built here \(.*compiler"):
         Config(path, device="cpu", attention_backend="cpu")

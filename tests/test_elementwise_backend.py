@@ -8,11 +8,12 @@ import torch
 
 from conftest import ARCHS, ROOMY_POOL, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import Config, pick_elementwise_backend
+from nanoserve.config import Config
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.elementwise_backend import CPU_FORWARDS, compiled_forward
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.utils.backends import pick_elementwise_backend
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 KERNEL = load_cpu_kernel("elementwise_cpu")
@@ -114,7 +115,7 @@ def test_backend_choice(tiny_models, monkeypatch):
     with pytest.raises(ValueError, match="elementwise_backend must be one of"):
         Config(path, device="cpu", elementwise_backend="fast")
     # Where it cannot be built (no compiler, no OpenMP): "auto" keeps PyTorch's path, asking for it says why.
-    monkeypatch.setattr("nanoserve.config.load_cpu_kernel", lambda source: "CalledProcessError: no compiler")
+    monkeypatch.setattr("nanoserve.utils.backends.load_cpu_kernel", lambda source: "CalledProcessError: no compiler")
     assert Config(path, device="cpu").elementwise_backend == "torch"
     with pytest.raises(ValueError, match=r"elementwise_backend='cpu': the kernel could not be built here \(.*compi"):
         Config(path, device="cpu", elementwise_backend="cpu")

@@ -7,11 +7,12 @@ import torch
 
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import Config, pick_elementwise_backend
+from nanoserve.config import Config
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.elementwise_backend import TRITON_FORWARDS
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.utils.backends import pick_elementwise_backend
 
 pytest.importorskip("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -17,6 +17,11 @@ def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
     return h.intdigest()
 
 
+def hash_root(seq: Sequence) -> int:
+    """The hash seq's first block chains from: -1, or its LoRA adapter's (the same tokens, other KV)."""
+    return -1 if seq.lora_request is None else seq.lora_request.hash_root
+
+
 class Block:
     def __init__(self, block_id: int):
         self.block_id = block_id
@@ -76,7 +81,7 @@ class BlockManager:
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hit_ids, tier_hashes
         # Stop one token short of the end: the last token must be computed to get logits for it.
-        prefix_hash, tier = -1, self.seams.kv_cache_tier
+        prefix_hash, tier = hash_root(seq), self.seams.kv_cache_tier
         for i in range((len(seq) - 1) // self.block_size):
             token_ids = seq.block(i)
             prefix_hash = compute_hash(token_ids, prefix_hash)
@@ -137,7 +142,7 @@ class BlockManager:
             return
         for i in range(start // self.block_size, end // self.block_size):
             block = self.blocks[seq.block_table[i]]
-            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else -1
+            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else hash_root(seq)
             block.token_ids = seq.block(i)
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id

@@ -15,6 +15,7 @@ from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Request, Sequence
+from nanoserve.lora_request import LoRARequest
 from nanoserve.sampling_params import FEATURE_FIELDS, SamplingParams
 from nanoserve.utils.math import cdiv
 
@@ -52,7 +53,7 @@ class EngineCore:
                                           config.enable_prefix_caching, self.seams)
         swap_pool = (BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)
                      if config.preemption_mode == "swap" else None)  # a second allocator, over the host pool
-        self.scheduler = Scheduler(config, self.block_manager, swap_pool, self.seams.needs_newest_token)
+        self.scheduler = Scheduler(config, self.block_manager, swap_pool, self.seams)
         self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
@@ -66,7 +67,8 @@ class EngineCore:
                 self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
 
     # ---- requests ---------------------------------------------------------------------------------
-    def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0) -> None:
+    def check_request(self, token_ids: list[int], params: SamplingParams, priority: int = 0,
+                      lora_request: LoRARequest | None = None) -> None:
         """Reject what could never run, before any work starts, instead of failing or looping later."""
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
@@ -81,6 +83,10 @@ class EngineCore:
         for name in FEATURE_FIELDS:  # options a feature serves: one must be plugged in
             if getattr(params, name) is not None and name not in self.seams.request_options:
                 raise ValueError(f"{name}: this engine has no feature plugged in for it (nanoserve.LLM has)")
+        if lora_request is not None:  # the seam: the LoRA feature reads the adapter (needs enable_lora=True)
+            if self.seams.check_lora_request is None:
+                raise ValueError("lora_request: this engine serves no adapters; pass enable_lora=True")
+            self.seams.check_lora_request(lora_request)
         if priority != 0 and self.config.scheduling_policy != "priority":
             raise ValueError(f"priority: got {priority}, but it needs scheduling_policy='priority'")
         if params.stop and self.tokenizer is None:
@@ -99,10 +105,10 @@ class EngineCore:
                              f"{self.block_manager.num_blocks} (block_size {self.config.block_size})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    priority: int = 0) -> None:
-        self.check_request(prompt_token_ids, sampling_params, priority)
+                    priority: int = 0, lora_request: LoRARequest | None = None) -> None:
+        self.check_request(prompt_token_ids, sampling_params, priority, lora_request)
         request = Request(request_id, prompt_token_ids, sampling_params, block_size=self.config.block_size,
-                          seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority)
+                          seq_ids=self.seq_ids, tokenizer=self.tokenizer, priority=priority, lora_request=lora_request)
         for name, set_up in self.seams.request_options.items():  # e.g. compile its grammar, off the step path
             if getattr(sampling_params, name) is not None:
                 set_up(request)

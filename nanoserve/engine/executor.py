@@ -38,6 +38,8 @@ class Executor:
         self.model_runner.fill_placeholders(inputs)
         if inputs is None:  # everyone was preempted
             return None, None
+        for prepare in self.seams.before_forward:  # the seam: e.g. the step's LoRA adapters, their rows
+            prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
 
     def run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

@@ -2,25 +2,24 @@
 join it where they differ: enable_chunked_prefill (V1's token budget), scheduling_policy="priority" (a sorted
 RequestQueue) and preemption_mode="swap" (V0), a request's n sequences (V0's sequence group), and the tokens a
 step in flight is still sampling (async scheduling's placeholders). `postprocess` takes a step's tokens in."""
-from collections.abc import Callable
-
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput, SchedulerStats
+from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats, priority_key
 from nanoserve.utils.math import cdiv
 
 
 class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager, host_block_manager: BlockManager | None = None,
-                 needs_newest_token: list[Callable[[Sequence], bool]] | None = None):
+                 seams: Seams | None = None):
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.pipeline_depth = config.pipeline_parallel_size if config.async_scheduling else 1  # batches in flight
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.eos_token_ids = set(config.eos_token_ids)
         self.block_manager = block_manager
         self.host_block_manager = host_block_manager  # the swap pool, in host memory (preemption_mode="swap")
-        self.needs_newest_token = [] if needs_newest_token is None else needs_newest_token  # a seam: _sits_out
+        self.seams = Seams() if seams is None else seams  # the engine's: needs_newest_token, admits
         self.waiting, self.running, self.swapped = (RequestQueue(config.scheduling_policy) for _ in range(3))
         self.stats = SchedulerStats()
 
@@ -41,8 +40,7 @@ class Scheduler:
             return self._commit(out)
         # Prefill: admit waiting prompts in order, whole, while seats, blocks and budget last (swapped ones first: V0).
         num_batched_tokens = 0
-        while self.waiting and not self.swapped and num_seats(self.waiting[0]) <= self._num_free_seats(out):
-            seq = self.waiting[0]
+        while not self.swapped and (seq := self._next_waiting(out)) is not None:
             num_new_tokens = self.block_manager.num_new_tokens(seq)  # a cached prefix costs no budget
             if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens or seq in out.preempted:
                 break
@@ -69,9 +67,14 @@ class Scheduler:
             seq.num_output_placeholders += do_sample
         return out
 
+    def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
+        """The first waiting sequence the admission seams let join (seams.py: LoRA's max_loras), if it has seats."""
+        seq = next((s for s in self.waiting if all(admits(s, self.running) for admits in self.seams.admits)), None)
+        return seq if seq is not None and num_seats(seq) <= self._num_free_seats(out) else None
+
     def _admit(self, seq: Sequence) -> None:
-        """The waiting head got its blocks: it runs. (One this very step preempted waits: its KV may be in flight.)"""
-        self.waiting.popleft()
+        """seq got its blocks: it runs. (One this very step preempted waits: its KV may be in flight.)"""
+        self.waiting.remove(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.add(seq)
         self.stats.num_prompt_tokens += len(seq)
@@ -115,7 +118,7 @@ class Scheduler:
         enter the first stage before the one in flight left the last (V1's scheduled_req_ids; docs/parallelism.md)."""
         in_flight = [s for s in group if s.num_output_placeholders]
         return bool(in_flight) and (self.pipeline_depth > 1 or any(
-            needs(s) for needs in self.needs_newest_token for s in in_flight))
+            needs(s) for needs in self.seams.needs_newest_token for s in in_flight))
 
     def _num_free_seats(self, out: SchedulerOutput | None = None) -> int:
         """max_num_seqs less the running sequences and those that will fork from them. With P pipeline stages in
@@ -195,8 +198,7 @@ class Scheduler:
         self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and num_seats(self.waiting[0]) <= self._num_free_seats(out):
-            seq = self.waiting[0]
+        while budget > 0 and (seq := self._next_waiting(out)) is not None:
             # All of the prompt's blocks, though only a chunk may run now (simpler than V1's per chunk, never stalls).
             if seq in out.preempted or not self.block_manager.allocate(seq):
                 break
@@ -286,8 +288,7 @@ class Scheduler:
         queue.insert(queue.index(parent) + child.index, child)  # the request's sequences stay side by side
 
     def finish(self, seq: Sequence) -> None:
-        """Take seq out for good and give its blocks back: it finished (maybe while preempted, its last token
-        in flight), hit a stop string, was aborted or failed."""
+        """Take seq out for good, its blocks freed: it finished (maybe while preempted), stopped, aborted or failed."""
         if seq in self.waiting:
             self.waiting.remove(seq)
         elif seq in self.running:

@@ -14,6 +14,7 @@ from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.layers.sampler import LogitsProcessor
+from nanoserve.lora_request import LoRARequest
 
 # (the step's plan, each sequence that got tokens -> how many) -> outputs of the requests the hook finished
 AfterStep = Callable[[SchedulerOutput, dict[Sequence, int]], list[EngineCoreOutput]]
@@ -59,10 +60,21 @@ class Seams:
     after_step: list[AfterStep] = field(default_factory=list)
     # 7. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
-    # 8. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
+    # 8. Admission (Scheduler._next_waiting): (waiting sequence, the running ones) -> may it join them? One that may
+    #    not is skipped this step and keeps its place; those behind it may go (seed 001's curr_loras: LoRA's
+    #    max_loras). Swapped requests need no check: none is admitted while any is swapped out.
+    admits: list[Callable[[Sequence, list[Sequence]], bool]] = field(default_factory=list)
+    # 9. Adapters: a request's lora_request (a record, carried on its sequences; its id roots their block hashes,
+    #    block_manager.hash_root) is checked here before anything is queued (EngineCore.check_request: the LoRA
+    #    feature reads the adapter, a ValueError names what is wrong). None: a lora_request is refused.
+    check_lora_request: Callable[[LoRARequest], None] | None = None
+    # 10. Before the forward (Executor.launch), on the process that plans: (plan, inputs) -> None, e.g. load the
+    #    step's adapters into their slots and tell the LoRA layers each row's slot.
+    before_forward: list[Callable[[SchedulerOutput, object], None]] = field(default_factory=list)
+    # 11. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
     #    process's ModelRunner alone (engine/executor.py).
     executor_class: type | None = None
-    # 9. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
+    # 12. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
     kv_cache_tier: KVCacheTier | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first

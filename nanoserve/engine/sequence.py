@@ -10,6 +10,7 @@ from time import monotonic
 import torch
 
 from nanoserve.engine.output_processor import IncrementalDetokenizer
+from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
@@ -27,7 +28,7 @@ class Sequence:
     lives, and how far the model has got. The scheduler and the model runner see only sequences."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 priority: int = 0, request_id: str = "", index: int = 0):
+                 priority: int = 0, request_id: str = "", index: int = 0, lora_request: LoRARequest | None = None):
         self.seq_id = seq_id  # ids count up in arrival order
         self.request_id = request_id  # the caller's name for it
         self.index = index  # which of the request's n sequences (SamplingParams.n) it is
@@ -49,6 +50,7 @@ class Sequence:
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
         self.raw_logits = False  # its request picks its own tokens from the raw logits (beam search): none is drawn
+        self.lora_request = lora_request  # its LoRA adapter, if any (nanoserve/lora/ serves it)
         self.grammar = None  # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
@@ -102,14 +104,15 @@ class Request:
     only the sequences (`seq.group` is `request.seqs`)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
-                 block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0):
+                 block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0,
+                 lora_request: LoRARequest | None = None):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
         self.priority = priority
         self.arrival_time = monotonic()
-        self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i)
-                     for i in range(sampling_params.n)]
+        self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i,
+                              lora_request) for i in range(sampling_params.n)]
         for seq in self.seqs:
             seq.group = self.seqs
         self.detokenizers = [IncrementalDetokenizer(tokenizer, sampling_params) if tokenizer else None

@@ -1,0 +1,40 @@
+"""A LoRA adapter a request asks for, as vLLM spells it: `LoRARequest(lora_name, lora_int_id, lora_path)`.
+
+A leaf record (no torch), importable anywhere: the core carries it on a request (engine/sequence.py) and folds
+its id into the prefix cache's block hashes; the LoRA feature (nanoserve/lora/) reads and serves the adapter.
+"""
+from dataclasses import dataclass
+
+import xxhash
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    lora_name: str  # the adapter's name (the server's "model" field selects it)
+    lora_int_id: int  # its id, >= 1, unique per adapter: the slots and the caches know it by this
+    lora_path: str  # a PEFT folder: adapter_config.json and adapter_model.safetensors
+
+    def __post_init__(self) -> None:
+        if isinstance(self.lora_int_id, bool) or not isinstance(self.lora_int_id, int) or self.lora_int_id < 1:
+            raise ValueError(f"lora_int_id must be an integer >= 1, got {self.lora_int_id!r}")
+        if not isinstance(self.lora_path, str) or not self.lora_path:
+            raise ValueError(f"lora_path must be a folder, got {self.lora_path!r}")
+
+    @property
+    def hash_root(self) -> int:
+        """The hash a sequence's first KV block chains from (base model: -1): the same tokens under two adapters
+        have different KV, so their blocks must never be hit across adapters (vLLM's extra keys)."""
+        return xxhash.xxh64(f"lora:{self.lora_int_id}".encode()).intdigest()
+
+
+def validate_lora_options(config) -> None:
+    """Config(enable_lora=True)'s options: the host cache holds at least the slots' adapters; what LoRA does not
+    run with yet is refused."""
+    if config.max_cpu_loras is None:
+        config.max_cpu_loras = config.max_loras
+    if config.max_cpu_loras < config.max_loras:
+        raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size", "speculative_config"):
+        if getattr(config, name) not in (1, None):
+            raise ValueError(f"enable_lora: not supported with {name}={getattr(config, name)!r} yet")
+    config.enforce_eager = True  # a CUDA graph would replay its first step's adapter rows
