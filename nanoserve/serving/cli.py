@@ -17,7 +17,7 @@ from dataclasses import MISSING, fields
 
 import uvicorn
 
-from nanoserve.async_llm import AsyncLLM
+from nanoserve import AsyncLLM
 from nanoserve.config import Config
 from nanoserve.serving.app import build_app
 from nanoserve.serving.structured import TOOL_CALL_PARSERS
