@@ -566,7 +566,7 @@ def test_the_checks_can_fail(index, tmp_path):
     doc.write_text("`Scheduler._schedule_decode`, `nanoserve/engine/nothing.py`, `--no-such-flag`,\n"
                    "`python bench.py --no-such-flag`, `LLM(model, no_such_option=1)`, `step_with_no_queue()`,\n"
                    "`tests/test_api.py::test_nothing`, `torch.no_such_function`, `$NANOSERVE_NOTHING`,\n"
-                   "`scheduling_policy=\"lottery\"`, `GET /v1/nothing`, `nanoserve:nothing_total`,\n"
+                   "`scheduling_policy=\"lottery\"`, `GET /v1/nothing`, `nanoserve:no_such_metric_total`,\n"
                    "`SCENARIOS[\"nothing\"]`, `pip install -e \".[nothing]\"`, `llm.generate(prompts, nothing=1)`\n"
                    "`SamplingParams(temperature=0, nothing=1)`, `app.nothing`\n"
                    "```python\nfrom nanoserve import LLM, Nothing\nLLM().no_such_method()\n```\n"
