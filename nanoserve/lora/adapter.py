@@ -62,7 +62,7 @@ def read_adapter(lora: LoRARequest, shapes: dict[str, tuple[int, int]], num_laye
         expected = {"A": (rank, in_features), "B": (out_features, rank)}
         for name, shape in expected.items():
             if name not in ab or tuple(ab[name].shape) != shape:
-                got = tuple(ab[name].shape) if name in ab else "nothing"
+                got = tuple(ab[name].shape) if name in ab else "missing"
                 raise ValueError(f"{weights_path}: layers.{layer}.{target}.lora_{name} must be {shape} for "
                                  f"this base model and r={rank}, got {got}")
         pairs[(layer, target)] = (ab["A"], ab["B"])
