@@ -9,6 +9,7 @@ import pytest
 
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.block_manager import compute_hash
 
 BLOCK_SIZE = 4
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK_SIZE  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
@@ -129,3 +130,126 @@ def test_stats_trace_and_metrics_agree(tiny_models):
     assert metrics["nanoserve:external_prefix_cache_hits"] == stats.num_host_cached_tokens > 0
     assert metrics["nanoserve:kv_offload_blocks_offloaded"] == stats.num_offloaded_blocks
     assert metrics["nanoserve:kv_offload_blocks_loaded"] == stats.num_loaded_blocks
+
+
+# ---- a copy that fails fails only the requests that needed it ------------------------------------------------
+def run_engine(llm: LLM, prompts: list[list[int]], tag: str) -> list[tuple[list[int], Exception | None]]:
+    """The prompts' greedy tokens and errors, from the engine's outputs (LLM.generate raises the first error)."""
+    results = {}
+    for i, prompt in enumerate(prompts):
+        llm.engine.add_request(f"{tag}{i}", prompt, GREEDY)
+    while llm.engine.has_unfinished_requests():
+        for out in llm.engine.step_fn():
+            tokens, _ = results.get(out.request_id, ([], None))
+            results[out.request_id] = (tokens + out.new_token_ids, out.error)
+    return [results[f"{tag}{i}"] for i in range(len(prompts))]
+
+
+def block_hashes(prompt: list[int]) -> list[int]:
+    """The chained hashes of the blocks a prefix lookup of prompt walks."""
+    hashes = [-1]
+    for i in range(0, len(prompt) - BLOCK_SIZE, BLOCK_SIZE):
+        hashes.append(compute_hash(prompt[i : i + BLOCK_SIZE], hashes[-1]))
+    return hashes[1:]
+
+
+def fail_copies(monkeypatch, llm: LLM, fails) -> list[int]:
+    """Make the model runner's copies to or from the host tier raise where fails(src_id, dst_id, offloading);
+    returns the list the failed copies' host blocks are appended to."""
+    runner, failed = llm.engine.model_runner, []
+    copy = runner._copy_blocks
+
+    def failing_copy(mapping, src, dst):
+        for src_id, dst_id in mapping:
+            offloading, loading = dst is runner.offload_kv_cache, src is runner.offload_kv_cache
+            if (offloading or loading) and fails(src_id, dst_id, offloading):
+                failed.append(dst_id if offloading else src_id)
+                raise RuntimeError("injected copy failure")
+        copy(mapping, src, dst)
+
+    monkeypatch.setattr(runner, "_copy_blocks", failing_copy)
+    return failed
+
+
+def check_books_agree(llm: LLM) -> None:
+    """No block leaked; each device hash names its block; each host block is free or cached once, none of the
+    cached ones lost its KV."""
+    bm, tier, runner = llm.engine.block_manager, llm.engine.seams.kv_cache_tier, llm.engine.model_runner
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
+    host_ids = [host_id for host_id, _ in tier.cached.values()]
+    assert sorted(host_ids + tier.free_block_ids) == list(range(tier.num_blocks))
+    assert runner.lost_offload_blocks.isdisjoint(host_ids)
+
+
+def two_turns(path: str, **options) -> tuple[LLM, list[list[int]], list[list[int]]]:
+    """Turn 1 of four conversations with the tier on, then an unrelated prompt that moves most of their blocks to
+    the host tier; returns the engine, the turn-2 prompts, and the turn-2
+    answers with the tier off (equal to transformers: test_every_scheduler_setting)."""
+    system = random_prompts(1, low=9, high=10)[0]
+    first = [system + p for p in random_prompts(4, seed=1, low=3, high=8)]
+    replies = random_prompts(4, seed=10, low=2, high=6)
+    off = tight_llm(path, False, **options)
+    second = [h + o.outputs[0].token_ids + u for h, o, u in zip(first, off.generate(first, GREEDY, False), replies)]
+    expected = [o.outputs[0].token_ids for o in off.generate(second, GREEDY, False)]
+    llm = tight_llm(path, True, **options)
+    llm.generate(first, GREEDY, use_tqdm=False)
+    llm.generate(random_prompts(1, seed=99, low=52, high=53), GREEDY, use_tqdm=False)  # evicts most of them
+    return llm, second, expected
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_failed_load_fails_only_the_requests_that_needed_it(tiny_models, monkeypatch, asynchronous):
+    """A block of one conversation's history fails to come back from the host: that request fails with the
+    copy's error, the others of the same step answer as with the tier off, and the block is forgotten by both
+    tiers, so the same prompt, sent again, is recomputed and answered right."""
+    llm, second, expected = two_turns(tiny_models["qwen3"], async_scheduling=asynchronous, trace=True)
+    bm, tier = llm.engine.block_manager, llm.engine.seams.kv_cache_tier
+    # A block only conversation c has, on the host and not on the device, after blocks a lookup finds.
+    chains = [block_hashes(p) for p in second]
+    c, target = next((c, h) for c, chain in enumerate(chains) for i, h in enumerate(chain)
+                     if h in tier.cached and h not in bm.hash_to_block_id and not any(h in o for o in chains if o
+                     is not chain) and all(p in bm.hash_to_block_id or p in tier.cached for p in chain[:i]))
+    failed = fail_copies(monkeypatch, llm, lambda src, dst, offloading: not offloading and
+                         src == tier.cached[target][0])
+    results = run_engine(llm, second, "turn2-")
+    [step] = [r for r in llm.trace if failed[0] in [host_id for host_id, _ in r.blocks_loaded]]
+    assert len({r.request_id for r in step.scheduled}) > 1  # the step that failed ran other requests too
+    tokens, error = results[c]
+    assert "kv_offloading: copying KV back from host memory failed: injected copy failure" in str(error)
+    assert [r for i, r in enumerate(results) if i != c] == [(e, None) for i, e in enumerate(expected) if i != c]
+    assert target not in tier.cached and target not in bm.hash_to_block_id
+    check_books_agree(llm)
+    monkeypatch.undo()
+    assert run_engine(llm, [second[c]], "again-") == [(expected[c], None)]
+    check_books_agree(llm)
+
+
+def test_failed_offload_costs_only_the_host_copy(tiny_models, monkeypatch):
+    """Every offload of conversation 0's own blocks fails: no request fails, all answers equal the tier-off ones,
+    and the host tier holds none of those blocks (they are recomputed), while it still serves the others."""
+    llm, second, expected = two_turns(tiny_models["qwen3"])
+    tier = llm.engine.seams.kv_cache_tier
+    own = set(block_hashes(second[0])).difference(*map(block_hashes, second[1:]))
+    host_hash = lambda host_id: next(h for h, (i, _) in tier.cached.items() if i == host_id)  # noqa: E731
+    failed = fail_copies(monkeypatch, llm, lambda src, dst, offloading: offloading and host_hash(dst) in own)
+    assert run_engine(llm, second, "turn2-") == [(e, None) for e in expected]
+    assert failed and own.isdisjoint(tier.cached)
+    assert llm.stats.num_host_cached_tokens > 0
+    check_books_agree(llm)
+
+
+def test_a_lost_host_block_loads_nothing(tiny_models, monkeypatch):
+    """ModelRunner.swap_blocks: a host block whose offload failed fails every load from it, in that step or a later
+    one planned before the tier heard (async scheduling), until an offload into it succeeds."""
+    llm = tight_llm(tiny_models["qwen3"], True)
+    runner = llm.engine.model_runner
+    failed = fail_copies(monkeypatch, llm, lambda src, dst, offloading: offloading and dst == 5)
+    offloads, loads = runner.swap_blocks([], [], [], [(1, 5), (2, 6)], [(5, 3), (6, 4)])
+    assert list(offloads) == [(1, 5)] and list(loads) == [(5, 3)] and failed == [5]
+    assert "holds no KV" in str(loads[5, 3])
+    assert list(runner.swap_blocks([], [], [], [], [(5, 7)])[1]) == [(5, 7)]
+    monkeypatch.undo()
+    runner.kv_cache[:, :, 1] = 0.5
+    assert runner.swap_blocks([], [], [], [(1, 5)], [(5, 7)]) == ({}, {})
+    assert runner.kv_cache[:, :, 7].equal(runner.kv_cache[:, :, 1]) and runner.kv_cache[0, 0, 7, 0, 0, 0] == 0.5

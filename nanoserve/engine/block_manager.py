@@ -132,6 +132,14 @@ class BlockManager:
         tier = self.seams.kv_cache_tier
         return ([], []) if tier is None else tier.take_copies()
 
+    def uncache(self, block_ids: set[int]) -> None:
+        """Take blocks out of the prefix cache: their KV is not what their hash says (a copy into them failed)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if self.hash_to_block_id.get(block.hash) == block_id:
+                del self.hash_to_block_id[block.hash]
+            block.hash, block.token_ids = -1, []
+
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register the blocks that became full of computed KV as seq's tokens start..end were computed.
 

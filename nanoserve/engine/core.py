@@ -182,11 +182,12 @@ class EngineCore:
             return future
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
-        """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), let the
-        features' after_step seams act, then detokenize each new token and look for stop strings; drop the
-        requests that are done."""
+        """Fail the requests a failed load from the KV tier left without KV (only them), append the sampled tokens
+        (the scheduler finishes sequences on EOS, stop tokens, max_tokens), let the features' after_step seams act,
+        then detokenize each new token and look for stop strings; drop the requests that are done."""
+        failed = self._fail_invalid_blocks(out) if out.failed_loads else []
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
-        outputs = [output for after_step in self.seams.after_step for output in after_step(out, updated)]
+        outputs = failed + [output for after_step in self.seams.after_step for output in after_step(out, updated)]
         outputs += [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
         for request_id in {output.request_id for output in outputs}:
             if request_id in self.requests and self.requests[request_id].is_finished:
@@ -225,6 +226,14 @@ class EngineCore:
         for request_id in failed:
             self.abort_request(request_id)
         return [EngineCoreOutput(request_id, [], finished=True, error=error) for request_id in failed]
+
+    def _fail_invalid_blocks(self, out: SchedulerOutput) -> list[EngineCoreOutput]:
+        """Some of the step's loads from the prefix cache's second tier failed: the blocks they were to fill hold
+        no valid KV. They leave the prefix cache, and exactly the requests whose sequences hold them fail."""
+        invalid = {block_id for _, block_id in out.failed_loads}
+        self.block_manager.uncache(invalid)
+        seqs = [seq for seq in self.scheduler.running if not invalid.isdisjoint(seq.block_table)]
+        return self._fail(seqs, next(iter(out.failed_loads.values())))
 
     # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
     def run_busy_loop(self, input_queue: queue.Queue, output_queue) -> None:

@@ -31,8 +31,8 @@ class Executor:
         """The step up to the logits: returns the inputs that ran (with a draft model's drafts) and their logits."""
         copies = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, out.blocks_to_offload,
                   out.blocks_to_load)
-        if any(copies):
-            self.call("swap_blocks", *copies)
+        if any(copies):  # (a failed host-tier copy fails only the requests that needed it: EngineCore)
+            out.failed_offloads, out.failed_loads = self.call("swap_blocks", *copies)
         if self.seams.propose is not None:  # the seam before the forward: a draft model fills the lookahead slots
             inputs = self.seams.propose(out, inputs, self.run_draft)
         self.model_runner.fill_placeholders(inputs)

@@ -46,6 +46,7 @@ class ModelRunner:
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])  # the swap pool, if any: below
         self.num_offload_blocks, self.offload_kv_cache = 0, torch.tensor([])  # the prefix cache's host tier, if any
+        self.lost_offload_blocks: set[int] = set()  # host tier blocks whose offload failed (_copy_tier_blocks)
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
         if dist.is_initialized():  # every rank must hold the blocks rank 0's scheduler hands out
             num_blocks = torch.tensor(self.num_kvcache_blocks, device=self.device)
@@ -102,18 +103,46 @@ class ModelRunner:
 
     def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
                     blocks_to_copy: list[tuple[int, int]], blocks_to_offload: list[tuple[int, int]] = (),
-                    blocks_to_load: list[tuple[int, int]] = ()) -> None:
+                    blocks_to_load: list[tuple[int, int]] = ()) -> tuple[dict, dict]:
         """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the swap
         pool and evicted cached blocks' KV to the host tier (reads of the device pool first), returning requests'
-        KV and host-tier hits back in, then copy-on-write copies inside the device pool."""
-        for mapping, src, dst in ((blocks_to_swap_out, self.kv_cache, self.host_kv_cache),
-                                  (blocks_to_offload, self.kv_cache, self.offload_kv_cache),
-                                  (blocks_to_swap_in, self.host_kv_cache, self.kv_cache),
-                                  (blocks_to_load, self.offload_kv_cache, self.kv_cache),
-                                  (blocks_to_copy, self.kv_cache, self.kv_cache)):
-            if mapping:
-                src_ids, dst_ids = zip(*mapping)
-                dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
+        KV and host-tier hits back in, then copy-on-write copies inside the device pool. Returns the host tier's
+        copies that failed, out and in, each with its error (a failed swap or copy-on-write raises: the step fails)."""
+        self._copy_blocks(blocks_to_swap_out, self.kv_cache, self.host_kv_cache)
+        failed_offloads = self._copy_tier_blocks(blocks_to_offload, self.kv_cache, self.offload_kv_cache)
+        self._copy_blocks(blocks_to_swap_in, self.host_kv_cache, self.kv_cache)
+        failed_loads = self._copy_tier_blocks(blocks_to_load, self.offload_kv_cache, self.kv_cache)
+        self._copy_blocks(blocks_to_copy, self.kv_cache, self.kv_cache)
+        return failed_offloads, failed_loads
+
+    def _copy_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
+        if mapping:
+            src_ids, dst_ids = zip(*mapping)
+            dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
+
+    def _copy_tier_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor,
+                          dst: torch.Tensor) -> dict[tuple[int, int], Exception]:
+        """The host tier's copies, one block at a time, so that one that fails costs only its own block: the tier
+        holds copies of cache entries (kv_offload/). A host block whose offload failed holds nothing to load
+        until an offload fills it. A worker rank cannot say which copy failed: it raises, as on any failure."""
+        failed = {}
+        offloading = dst is self.offload_kv_cache
+        for src_id, dst_id in mapping:
+            try:
+                if not offloading and src_id in self.lost_offload_blocks:
+                    raise RuntimeError(f"host block {src_id} holds no KV: copying it out failed")
+                self._copy_blocks([(src_id, dst_id)], src, dst)
+            except Exception as error:
+                if self.rank != 0:
+                    raise
+                way = "out to" if offloading else "back from"
+                failed[src_id, dst_id] = RuntimeError(f"kv_offloading: copying KV {way} host memory failed: {error}")
+                if offloading:
+                    self.lost_offload_blocks.add(dst_id)
+            else:
+                if offloading:
+                    self.lost_offload_blocks.discard(dst_id)
+        return failed
 
     def _profile_num_blocks(self) -> int:
         """Size the pool from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves."""

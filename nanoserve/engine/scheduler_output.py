@@ -32,6 +32,9 @@ class SchedulerOutput:
     # The prefix cache's second tier (kv_offloading_size): evicted cached blocks out, hits back in. Out runs first.
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Those of them that failed, with why (written by the executor): a failed load leaves its block without KV.
+    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
+    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
     # What the step's output did, written as it is taken in, for the step's record (nanoserve/step_records.py):

@@ -6,11 +6,12 @@ It plugs in at one seam, kv_cache_tier (engine/seams.py): the BlockManager calls
 block that is still cached, `lookup` and `load` on a prefix miss. This file keeps the host tier's books (which hash
 each host block holds, least recently used first); the KV itself lives in each rank's ModelRunner.offload_kv_cache,
 and the copies ride in the step's plan (SchedulerOutput.blocks_to_offload, blocks_to_load), run before the forward.
+An after_step hook, `forget_failed`, drops the host blocks whose copies failed.
 """
 from collections import OrderedDict
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.scheduler_output import SchedulerStats
+from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 
 
 class HostKVTier:
@@ -63,6 +64,16 @@ class HostKVTier:
         self.stats.num_loaded_blocks += 1
         self.stats.num_host_cached_tokens += len(self.cached[block_hash][1])
 
+    def forget_failed(self, out: SchedulerOutput, updated: dict) -> list:
+        """An after_step hook: a host block whose copy failed, out or back in, is not trusted; its entry goes (the
+        copy was all that a failed offload cost). The core has failed the requests a failed load left without KV."""
+        for host_id in [h for _, h in out.failed_offloads] + [h for h, _ in out.failed_loads]:
+            block_hash = next((bh for bh, (h, _) in self.cached.items() if h == host_id), None)
+            if block_hash is not None:
+                del self.cached[block_hash]
+                self.free_block_ids.append(host_id)
+        return []
+
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's copies, for its plan: out to the host (device, host) and back in (host, device)."""
         copies = self.blocks_to_offload, self.blocks_to_load
@@ -74,4 +85,5 @@ def plug_in(engine: EngineCore) -> HostKVTier:
     """Give the engine a host tier as large as its model runner's offload pool (kv_offloading_size GiB)."""
     tier = HostKVTier(engine.model_runner.num_offload_blocks, engine.scheduler.stats)
     engine.seams.kv_cache_tier = tier
+    engine.seams.after_step.append(tier.forget_failed)
     return tier
