@@ -525,3 +525,34 @@ def test_page_opened_late_on_a_large_pool(tiny_models, tmp_path):
     assert steps == str(state["stats"]["num_steps"])
     assert events == ("none in the steps shown; since the server started: "
                       f"{state['stats']['num_cached_tokens']} prompt tokens from the prefix cache")
+
+
+@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+def test_page_shows_the_host_tier(tiny_models, tmp_path):
+    """With kv_offloading_size, the KV panel draws the prefix cache's host tier beside the device pool: how many of
+    its blocks hold evicted cached KV, filled in proportion, and its hits; without one, nothing (served by
+    Playwright, as above)."""
+    host_tier = 40 * 2048 / 2**30  # GiB: 40 blocks of 4 tokens of the tiny model (K and V, 2 layers, 2 x 16 floats)
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=12, kv_offloading_size=host_tier)
+    prompts = [[100 + 40 * i + j for j in range(25)] for i in range(3)]  # 6 full blocks each: 12 hold two
+    for _ in range(2):  # the second round finds the evicted blocks on the host
+        for prompt in prompts:
+            llm.generate([prompt], GREEDY, use_tqdm=False)
+    state, stats, tier = states[-1], llm.stats, llm.engine.seams.kv_cache_tier
+    assert state["host_tier"] == dict(cached=len(tier.cached), num_blocks=tier.num_blocks)
+    assert tier.num_blocks == 40 and 0 < len(tier.cached) < 40 and stats.num_host_cached_tokens > 0
+    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(
+        "steps", dict(steps=records(stream), dropped=0, engine=state))
+    with page_fed(body) as (page, errors):
+        page.wait_for_selector("#tier-part:not([hidden])")
+        page.screenshot(path=tmp_path / "dashboard_host_tier.png")
+        title = page.inner_text("#tier-title")
+        filled = page.evaluate("() => $('tier-meter').firstElementChild.offsetWidth / $('tier-meter').clientWidth")
+        page.evaluate("() => { engine = {...engine, host_tier: null}; render(); }")  # a page on an engine without
+        off = page.is_hidden("#tier-part")
+    print(f"screenshot: {tmp_path}/dashboard_host_tier.png")
+    assert not errors
+    assert title == (f"{len(tier.cached)} of {tier.num_blocks} blocks hold evicted cached KV · host hits: "
+                     f"{stats.num_host_cached_tokens} prompt tokens ({stats.num_loaded_blocks} blocks copied back)")
+    assert filled == pytest.approx(len(tier.cached) / tier.num_blocks, abs=0.01) and off
+    assert StepStream(LLM(tiny_models["qwen3"], num_kvcache_blocks=16).engine).read_engine()["host_tier"] is None

@@ -81,9 +81,12 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
                      generated=seq.num_completion_tokens, max_tokens=seq.sampling_params.max_tokens,
                      cached=seq.num_cached_tokens)
                 for name, queue in queues.items() for seq in islice(queue, max_requests)]
+    tier = core.seams.kv_cache_tier  # the prefix cache's host tier (kv_offload/), in counts; None when off
+    host_tier = None if tier is None else dict(cached=len(tier.cached), num_blocks=tier.num_blocks)
     return dict(blocks=blocks, num_blocks=pool.num_blocks, host_blocks=host_blocks,
                 num_host_blocks=host.num_blocks if host else 0, requests=requests,
-                queue_lengths={name: len(queue) for name, queue in queues.items()}, stats=asdict(scheduler.stats))
+                queue_lengths={name: len(queue) for name, queue in queues.items()}, stats=asdict(scheduler.stats),
+                host_tier=host_tier)
 
 
 class StepStream:
