@@ -233,6 +233,10 @@ class EngineCore:
         invalid = {block_id for _, block_id in out.failed_loads}
         self.block_manager.uncache(invalid)
         seqs = [seq for seq in self.scheduler.running if not invalid.isdisjoint(seq.block_table)]
+        # Async scheduling: a step planned since may have swapped a holder out, its bad KV with it.
+        swapped_out = {host for planned, _ in self.batch_queue or () for device, host in planned.blocks_to_swap_out
+                       if device in invalid}
+        seqs += [seq for seq in self.scheduler.swapped if not swapped_out.isdisjoint(seq.block_table)]
         return self._fail(seqs, next(iter(out.failed_loads.values())))
 
     # ---- the busy loop (vLLM's EngineCoreProc.run_busy_loop), in AsyncLLM's background thread ---------
