@@ -163,3 +163,20 @@ def test_cli_refuses_bad_lora_flags(model, adapters, capsys):
         with pytest.raises(SystemExit) as exit_:
             main(["serve", model, *POOL, *argv])
         assert exit_.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_workshop_script_trains_serves_and_draws(model, tmp_path, capsys):
+    """nanoserve/tools/lora_picture.py (docs/workshop.md), on the tiny model and two training steps: it saves a PEFT
+    adapter, serves base and adapter questions in one engine (the table marks the adapter's rows), draws the
+    picture."""
+    from nanoserve.tools.lora_picture import ASK, main
+
+    main(["--model", model, "--adapter", str(tmp_path / "pirate"), "--train-steps", "2",
+          "--out", str(tmp_path / "steps.png")])
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in (tmp_path / "pirate").iterdir()}
+    out = capsys.readouterr().out
+    assert "training step 1: loss" in out and "Q1:" in out and "Q2:" in out
+    assert any("Q1:1 Q2:1+pirate" in line for line in out.splitlines())  # base and adapter rows in one step
+    assert [line.split(" ", 2)[1] for line in out.splitlines() if line.startswith("Q")][-len(ASK):] == \
+        ["(base)", "(pirate)"] * (len(ASK) // 2)
+    assert (tmp_path / "steps.png").stat().st_size > 10_000
