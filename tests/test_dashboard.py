@@ -493,9 +493,11 @@ def test_page_tags_lora_rows(tiny_models, tmp_path):
         "steps", dict(steps=steps, dropped=0, engine=states[-1]))
     with page_fed(body) as (page, errors):
         page.wait_for_selector("#timeline rect.lora")
+        page.screenshot(path=tmp_path / "dashboard_lora.png")
         stripes = page.eval_on_selector_all("#timeline rect.lora", "rs => rs.map(r => [+r.dataset.seq, r.dataset.lora, "
                                             "r.getAttribute('fill')])")
         legend = page.inner_text("#timeline-legend")
+    print(f"screenshot: {tmp_path}/dashboard_lora.png")
     assert not errors
     seq = steps[0]["batch"][1]["seq"]
     assert stripes == [[seq, "style", LORA_COLOURS[0]]] * len(steps) and "LoRA adapter style" in legend
