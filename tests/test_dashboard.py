@@ -14,14 +14,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from test_lora import make_adapter
 
 from conftest import Server, start_server
-from nanoserve import LLM, AsyncLLM, SamplingParams
+from nanoserve import LLM, AsyncLLM, LoRARequest, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.serving.app import build_app
 from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
 from nanoserve.step_records import StepRecord, step_recorder
-from nanoserve.tools.trace import STATES
+from nanoserve.tools.trace import LORA_COLOURS, STATES
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
 
@@ -211,6 +212,7 @@ def test_page_colours_are_the_trace_tools():
     entries = re.findall(r'"([a-z ]+)": \["(#[0-9a-f]{6})", "([^"]+)"\]', block)
     assert {name: (colour, label) for name, colour, label in entries} == {
         name: (colour, label) for name, (colour, _, label) in STATES.items() if name != "not arrived"}
+    assert f"const LORA_COLOURS = {json.dumps(LORA_COLOURS)};" in page
     assert "http://" not in page and "https://" not in page  # works offline: nothing fetched from elsewhere
 
 
@@ -477,6 +479,28 @@ def test_page_shows_beams_forking(tiny_models, tmp_path):
                for e in beam_events)
     assert "a beam forks" in legend and "a beam is dropped" in legend
     assert shared == [str(ref) for ref, _, _ in states[shown]["blocks"] if ref > 1] and shared
+
+
+def test_page_tags_lora_rows(tiny_models, tmp_path):
+    """Each row computed with a LoRA adapter carries its name; the page draws the adapter's stripe on those cells
+    only, and its legend names the adapter."""
+    adapter = make_adapter(tiny_models["qwen3"], tmp_path / "style", 1, r=4, lora_alpha=8, target_modules=["q_proj"])
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], enable_lora=True, num_kvcache_blocks=32)
+    llm.generate([[5, 6, 7], [8, 9, 10]], GREEDY, use_tqdm=False, lora_request=[None, LoRARequest("style", 1, adapter)])
+    steps = records(stream)
+    assert [[b.get("lora") for b in s["batch"]] for s in steps] == [[None, "style"]] * len(steps)
+    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(
+        "steps", dict(steps=steps, dropped=0, engine=states[-1]))
+    with page_fed(body) as (page, errors):
+        page.wait_for_selector("#timeline rect.lora")
+        page.screenshot(path=tmp_path / "dashboard_lora.png")
+        stripes = page.eval_on_selector_all("#timeline rect.lora", "rs => rs.map(r => [+r.dataset.seq, r.dataset.lora, "
+                                            "r.getAttribute('fill')])")
+        legend = page.inner_text("#timeline-legend")
+    print(f"screenshot: {tmp_path}/dashboard_lora.png")
+    assert not errors
+    seq = steps[0]["batch"][1]["seq"]
+    assert stripes == [[seq, "style", LORA_COLOURS[0]]] * len(steps) and "LoRA adapter style" in legend
 
 
 def test_sigterm_ends_the_stream_at_once(server):

@@ -234,7 +234,9 @@ def test_lora_options_are_checked(tiny_models, adapters):
                            (dict(max_loras=3, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),
                            (dict(max_lora_rank=1.5), "max_lora_rank must be an integer"),
                            (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                            "enable_lora: not supported with speculative_config")):
+                            "enable_lora: not supported with speculative_config"),
+                           (dict(tensor_parallel_size=2), "enable_lora: not supported with tensor_parallel_size"),
+                           (dict(pipeline_parallel_size=2), "enable_lora: not supported with pipeline_parallel_size")):
         with pytest.raises(ValueError, match=match):
             LLM(model, enable_lora=True, **ROOMY_POOL, **options)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):

@@ -6,17 +6,22 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from matplotlib.image import imread
+from test_lora import make_adapter
 from test_speculative_decoding import repetitive_prompts
 
-from nanoserve import LLM, SamplingParams
+from nanoserve import LLM, LoRARequest, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.step_records import StepReader
 from nanoserve.tools.trace import (
     DEFAULT_OUT,
+    LORA_COLOURS,
     SCENARIOS,
+    adapter_names,
     default_names,
     format_trace,
     main,
+    plot_adapters,
     plot_kv,
     plot_timeline,
     request_states,
@@ -272,3 +277,19 @@ def test_beam_forks_and_drops_are_recorded(tiny_models, tmp_path):
             assert " ".join(names[i] for i in rec.dropped) + " dropped" in line
     plot_timeline(trace, tmp_path / "beams.png")
     assert 10_000 < (tmp_path / "beams.png").stat().st_size < 100_000
+
+
+def test_lora_adapters_in_the_table_and_the_picture(tiny_models, tmp_path):
+    """A row computed with a LoRA adapter: +NAME in the step table, and its adapter's colour in plot_adapters."""
+    lora = LoRARequest("style", 1, make_adapter(tiny_models["qwen3"], tmp_path / "style", 1, r=4, lora_alpha=8,
+                                                target_modules=["q_proj"]))
+    llm = LLM(tiny_models["qwen3"], trace=True, enable_lora=True, block_size=4, num_kvcache_blocks=32,
+              max_model_len=64)
+    llm.generate([[5, 6, 7], [8, 9, 10, 11]], SamplingParams(temperature=0, ignore_eos=True, max_tokens=3),
+                 use_tqdm=False, lora_request=[None, lora])
+    assert adapter_names(llm.trace) == {1: "style"}
+    table = format_trace(llm.trace).splitlines()
+    assert [line.split()[2:4] for line in table[1:]] == [["0:3", "1:4+style"]] + [["0:1", "1:1+style"]] * 2
+    plot_adapters(llm.trace, tmp_path / "adapters.png", max_loras=1)
+    pixels = {tuple(p) for p in (imread(tmp_path / "adapters.png")[..., :3] * 255).round().astype(int).reshape(-1, 3)}
+    assert tuple(int(LORA_COLOURS[0][i:i + 2], 16) for i in (1, 3, 5)) in pixels  # the adapter's cells

@@ -8,7 +8,8 @@ outputs) -> the route forwards each piece as a server-sent event, or gathers the
 (answers.py). A client that goes away cancels the task that iterates its stream, which aborts the request.
 Beside it: responses.py (the Responses API, answered by the chat route), tokenization.py (the chat template,
 /tokenize and vLLM's other utility routes), beam.py (`use_beam_search`: engine.beam_search instead), echo.py,
-structured.py, logprobs.py, errors.py (every error in OpenAI's shape), metrics.py, dashboard.py.
+structured.py, logprobs.py, errors.py (every error in OpenAI's shape), metrics.py, dashboard.py, lora.py (the
+models served: the base model and its LoRA adapters, which a request's `model` picks).
 """
 import asyncio
 import uuid
@@ -28,6 +29,7 @@ from nanoserve.serving.dashboard import add_dashboard
 from nanoserve.serving.echo import Echo, generate_nothing, make_echo
 from nanoserve.serving.errors import APIKeyMiddleware, add_error_handlers
 from nanoserve.serving.logprobs import LogprobsFormat
+from nanoserve.serving.lora import LoRAModulePath, ServedModels, add_lora_routes
 from nanoserve.serving.metrics import Metrics
 from nanoserve.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, Response, SamplingRequest
 from nanoserve.serving.responses import add_responses
@@ -129,12 +131,18 @@ async def cancel_on_disconnect(work, raw: Request):
 
 # ---- the app ---------------------------------------------------------------------------------------
 def build_app(engine, model_name: str, api_key: str | None = None, tool_call_parser: str | None = None,
-              dashboard: bool = False) -> FastAPI:
-    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests must name; tool_call_parser
-    ("hermes"): answer tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser); dashboard: serve the
-    live view of the engine at /dashboard (serving/dashboard.py)."""
+              dashboard: bool = False, lora_modules: list[LoRAModulePath] = (),
+              allow_runtime_lora_updating: bool = False) -> FastAPI:
+    """engine: an `AsyncLLM`; model_name: what /v1/models lists and requests name for the base model;
+    tool_call_parser ("hermes"): answer tool_choice "auto" (--enable-auto-tool-choice --tool-call-parser); dashboard:
+    serve the live view of the engine at /dashboard (serving/dashboard.py); lora_modules: the adapters served under
+    their own names (--lora-modules, needs enable_lora), and with allow_runtime_lora_updating the routes that load
+    and unload them (serving/lora.py). A bad adapter is a ValueError naming it, before the server starts."""
     core, tokenizer = engine.engine_core, engine.tokenizer
     config = core.config
+    models = ServedModels(core, model_name, config.max_model_len)
+    for module in lora_modules:
+        models.add(module.name, module.path)
     metrics = Metrics(core, model_name)
     app = FastAPI(title="nanoserve", summary="An OpenAI-compatible server for the nanoserve engine")
     app.state.shutting_down = asyncio.Event()  # set when a shutdown's grace period is over: abort what runs
@@ -146,9 +154,10 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
     def start(request: SamplingRequest, prompts: list[list[int]], max_tokens: int | None) -> Outputs:
         """Check everything, then submit one engine request per prompt: bad input is a 400 before any work."""
         arrival = perf_counter()
-        if request.model not in (None, model_name):
-            raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
+        lora_request = models.lora_request(request.model)  # the base model (None), an adapter, or a 404
         refuse_unsupported(request)
+        if lora_request is not None and request.use_beam_search:
+            raise APIError(400, "use_beam_search: not supported with a LoRA adapter yet", "use_beam_search")
         for p in prompts:
             check_length(request, p, max_tokens, config.max_model_len)
         structured = structured_outputs_params(request, tool_call_parser)  # response_format, tools, ...
@@ -160,8 +169,9 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
                 params = [sampling_params(request, max_tokens, config.max_model_len - len(p), structured)
                           for p in prompts]
                 for ids, sp in zip(prompts, params):
-                    core.check_request(ids, sp, request.priority)
-                streams = [engine.generate(ids, sp, request_id=f"{request_id}-{i}", priority=request.priority)
+                    core.check_request(ids, sp, request.priority, lora_request)
+                streams = [engine.generate(ids, sp, request_id=f"{request_id}-{i}", priority=request.priority,
+                                           lora_request=lora_request)
                            for i, (ids, sp) in enumerate(zip(prompts, params))]
         except ValueError as e:
             raise as_api_error(e, request) from e
@@ -173,7 +183,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
         if echo and echo.score_only:
             outputs = generate_nothing(outputs)
         kind = ("chat.completion.chunk" if request.stream else "chat.completion") if chat else "text_completion"
-        header = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind, model=model_name)
+        header = dict(id=f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", object=kind,
+                      model=request.model or model_name)  # (an adapter's answers carry its name, as in vLLM)
         k = request.num_logprobs()
         if k is not None and tokenizer is None:
             raise APIError(400, "logprobs: this model folder has no tokenizer to spell the tokens", "logprobs")
@@ -215,9 +226,11 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
     add_responses(v1, chat, model_name)  # POST /v1/responses
 
     @v1.get("/models")
-    async def models():
-        card = dict(id=model_name, object="model", created=0, owned_by="nanoserve", max_model_len=config.max_model_len)
-        return {"object": "list", "data": [card]}
+    async def list_models():
+        return {"object": "list", "data": models.cards()}
+
+    if allow_runtime_lora_updating:  # POST /v1/load_lora_adapter, /v1/unload_lora_adapter
+        add_lora_routes(v1, models)
 
     app.include_router(v1)
 
@@ -229,7 +242,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
     async def prometheus_metrics():
         return HTTPResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    add_tokenization_routes(app, tokenizer, model_name, config.max_model_len)  # /tokenize, /version, ...
+    add_tokenization_routes(app, tokenizer, models.lora_request, config.max_model_len)  # /tokenize, /version, ...
     if dashboard:
         add_dashboard(app, engine, model_name, api_key)
     add_error_handlers(app)

@@ -20,6 +20,7 @@ import uvicorn
 from nanoserve import AsyncLLM
 from nanoserve.config import Config
 from nanoserve.serving.app import build_app
+from nanoserve.serving.lora import LoRAModulePath, parse_lora_module
 from nanoserve.serving.structured import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoserve.serving")
@@ -72,7 +73,20 @@ def add_serve_flags(parser: argparse.ArgumentParser) -> None:
                         help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
     parser.add_argument("--dashboard", action="store_true",
                         help="serve a live view of the engine at /dashboard, for workshops (docs/workshop.md)")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                        help='LoRA adapters (PEFT folders) served as model NAME, with --enable-lora; an item may '
+                        'also be JSON: {"name": NAME, "path": PATH} (docs/lora.md)')
+    parser.add_argument("--allow-runtime-lora-updating", action="store_true",
+                        help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, a client could load any folder")
     add_engine_flags(parser)
+
+
+def lora_module(text: str) -> LoRAModulePath:
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:  # (argparse prints an ArgumentTypeError's message, naming the flag)
+        raise argparse.ArgumentTypeError(str(e)) from e
 
 
 class Server(uvicorn.Server):
@@ -91,14 +105,24 @@ class Server(uvicorn.Server):
         self.loop.call_soon_threadsafe(self.loop.call_later, self.grace, self.config.app.state.shutting_down.set)
 
 
+def served_model_name(args: argparse.Namespace) -> str:
+    return args.served_model_name or args.model or "SmolLM2-135M-Instruct"
+
+
+def app_from_args(engine, args: argparse.Namespace):
+    """The FastAPI app the flags ask for, on an AsyncLLM built from engine_options(args)."""
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
+    return build_app(engine, served_model_name(args), args.api_key,
+                     args.tool_call_parser if args.enable_auto_tool_choice else None, dashboard=args.dashboard,
+                     lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+
+
 async def serve(args: argparse.Namespace) -> None:
     engine = AsyncLLM(args.model, **engine_options(args))
     try:
-        name = args.served_model_name or args.model or "SmolLM2-135M-Instruct"
-        if args.enable_auto_tool_choice and args.tool_call_parser is None:
-            raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
-        app = build_app(engine, name, args.api_key, args.tool_call_parser if args.enable_auto_tool_choice else None,
-                        dashboard=args.dashboard)
+        name = served_model_name(args)
+        app = app_from_args(engine, args)
         # uvicorn's own deadline is a backstop: by then the app has ended every stream itself
         config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)

@@ -39,8 +39,10 @@ def step_json(rec: StepRecord, view: StepView) -> dict:
     return dict(
         step=rec.step, kind=rec.kind, time=rec.time,
         batch=[dict(seq=r.seq_id, tokens=r.num_tokens, sampled=r.sampled, decode=r.is_decode,
-                    label=view.labels[r.seq_id], **({"spec": view.spec[r.seq_id]} if r.seq_id in view.spec else {}))
-               for r in rec.scheduled],  # spec: [drafts accepted, drafts proposed], for a verifying sequence only
+                    label=view.labels[r.seq_id], **({"spec": view.spec[r.seq_id]} if r.seq_id in view.spec else {}),
+                    **({"lora": r.lora_name} if r.lora_name else {}))
+               for r in rec.scheduled],  # spec: [drafts accepted, drafts proposed], for a verifying sequence only;
+        # lora: the LoRA adapter's name, for a sequence that computes with one
         states=view.states, hits=view.hits,  # (JSON turns the ids that key them into strings)
         recomputed=rec.recomputed, swapped_out=rec.swapped_out, swapped_in=rec.swapped_in, finished=rec.finished,
         forked=rec.forked, dropped=rec.dropped,  # beam search: [new beam, parent] pairs; beams freed

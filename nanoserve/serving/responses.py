@@ -377,8 +377,8 @@ def add_responses(router: APIRouter, chat, model_name: str) -> None:
         refuse_stored_state(request)
         chat_request = as_chat(request)
         head = ResponseObject(
-            id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), model=model_name, status="in_progress",
-            instructions=request.instructions, parallel_tool_calls=request.parallel_tool_calls,
+            id=f"resp_{uuid.uuid4().hex}", created_at=int(time.time()), model=request.model or model_name,
+            status="in_progress", instructions=request.instructions, parallel_tool_calls=request.parallel_tool_calls,
             tool_choice=request.tool_choice or "auto", tools=request.tools or [],
             temperature=chat_request.temperature, top_p=chat_request.top_p, max_output_tokens=request.max_output_tokens,
             text=request.text or TextConfig(format=TextFormat(type="text")))

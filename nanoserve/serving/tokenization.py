@@ -9,6 +9,7 @@ Responses routes use), and vLLM's utility routes beside OpenAI's, for tools that
   as loaded, `tokenizer_class`, `chat_template`), which lm-evaluation-harness reads.
 As in vLLM they sit at the root, beside /health, not under /v1 (so `--api-key` does not guard them).
 """
+from collections.abc import Callable
 from importlib.metadata import version
 
 from fastapi import FastAPI
@@ -97,10 +98,12 @@ def tokenizer_settings(tokenizer) -> dict:
     return {k: plain(v) for k, v in tokenizer.init_kwargs.items()}
 
 
-def add_tokenization_routes(app: FastAPI, tokenizer, model_name: str, max_model_len: int) -> None:
+def add_tokenization_routes(app: FastAPI, tokenizer, check_model: Callable[[str | None], object],
+                            max_model_len: int) -> None:
+    """check_model: a 404 for a model name the server does not serve (ServedModels.lora_request); the base model
+    and its adapters share the tokenizer."""
     def check(request: TokenizeRequest | DetokenizeRequest, field: str) -> None:
-        if request.model not in (None, model_name):
-            raise APIError(404, f"The model `{request.model}` does not exist.", "model", "model_not_found")
+        check_model(request.model)
         if tokenizer is None:
             raise APIError(400, f"{field}: this model folder has no tokenizer", field)
 

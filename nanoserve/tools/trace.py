@@ -42,6 +42,14 @@ FORKED = "beam forked (shares its parent's blocks)"
 DROPPED = ("s", "beam dropped (blocks freed)")
 SPEC = "4[2/3]: 3 drafts in 4 tokens, 2 accepted (the bar)"
 ACCEPTED = "#009e73"  # speculative decoding: the share of a cell's draft tokens accepted
+# LoRA adapters, a colour each in the order they first run (the dashboard's too); the base model's rows: BASE.
+LORA_COLOURS = ["#7b3294", "#1b7837", "#c51b7d", "#8c510a", "#01665e", "#e08214"]
+BASE = "#bbbbbb"
+
+
+def adapter_names(trace: list[StepRecord]) -> dict[int, str]:
+    """Each sequence that computed with a LoRA adapter -> the adapter's name (a request keeps its adapter)."""
+    return {r.seq_id: r.lora_name for rec in trace for r in rec.scheduled if r.lora_name}
 
 
 def default_names(trace: list[StepRecord]) -> dict[int, str]:
@@ -88,16 +96,17 @@ def spec_totals(rec: StepRecord) -> str:
 def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -> str:
     """The articles' step table: who ran and how many tokens each (* = a chunk that sampled nothing,
     @N = started at position N, the tokens before came from the prefix cache, [a/p] = a of its p draft
-    tokens accepted), what happened to whom (beam search: "X<Y forked", X a new beam sharing Y's blocks;
-    "dropped", a beam without a child, its blocks freed), the queues (waiting/running/swapped), the KV blocks
-    (used/free-but-cached/free) after the step, with speculative decoding the step's drafts accepted/proposed,
-    and the milliseconds since the step before (in a busy engine: the step's time)."""
-    names = names or default_names(trace)
+    tokens accepted, +NAME = with LoRA adapter NAME), what happened to whom (beam search: "X<Y forked", X a
+    new beam sharing Y's blocks; "dropped", a beam without a child, its blocks freed), the queues
+    (waiting/running/swapped), the KV blocks (used/free-but-cached/free) after the step, with speculative
+    decoding the step's drafts accepted/proposed, and the milliseconds since the step before (in a busy engine:
+    the step's time)."""
+    names, loras = names or default_names(trace), adapter_names(trace)
     speculating = any(r.spec_token_ids for rec in trace for r in rec.scheduled)  # (else no spec column)
     lines = [f"{'step':>4}  {'kind':<7}  {'batch':<30}  {'events':<26}  {'w/r/s':<8}  {'blocks u/c/f':<12}  "
              f"{'tokens/budget':<13}  {'spec a/p  ' if speculating else ''}{'ms':>6}"]
     for rec, prev, labels in zip(trace, [None, *trace], token_labels(trace)):
-        batch = [f"{names[rid]}:{label}" for rid, label in labels.items()]
+        batch = [f"{names[rid]}:{label}{f'+{loras[rid]}' if rid in loras else ''}" for rid, label in labels.items()]
         who = {what: [names[i] for i in ids] for what, ids in (("preempted", rec.recomputed), ("swapped out",
                rec.swapped_out), ("swapped in", rec.swapped_in), ("dropped", rec.dropped), ("finished", rec.finished))}
         who["forked"] = [f"{names[child]}<{names[parent]}" for child, parent in rec.forked]
@@ -121,7 +130,8 @@ def print_trace(trace: list[StepRecord], names: dict[int, str] | None = None) ->
 # ---- pictures -----------------------------------------------------------------------------------------------
 def plot_timeline(trace: list[StepRecord], path: str, names: dict[int, str] | None = None, title: str = "") -> None:
     """One row per request (the first arrival on top), one column per step, coloured by state; the cells
-    show the tokens computed as in the table (token_labels) and markers show preemptions and swaps."""
+    show the tokens computed as in the table (token_labels) and markers show preemptions and swaps. A request
+    with a LoRA adapter has its name beside the request's."""
     names = names or default_names(trace)
     states = request_states(trace)
     request_of = {seq_id: request_id for rec in trace for seq_id, (request_id, _) in rec.seq_requests.items()}
@@ -164,7 +174,8 @@ def plot_timeline(trace: list[StepRecord], path: str, names: dict[int, str] | No
         for rid in rec.dropped:
             ax.plot(t + 0.5, ids.index(rid), marker=DROPPED[0], color="black", markersize=9, markeredgecolor="white",
                     markeredgewidth=0.8, linestyle="none", clip_on=False)
-    ax.set_yticks(range(len(ids)), [names[i] for i in ids])
+    loras = adapter_names(trace)
+    ax.set_yticks(range(len(ids)), [f"{names[i]} ({loras[i]})" if i in loras else names[i] for i in ids])
     ax.set_xticks(range(0, num_steps, max(1, num_steps // 25)))
     ax.set_xlabel("engine step")
     ax.set_ylabel("request")
@@ -215,6 +226,48 @@ def plot_kv(trace: list[StepRecord], path: str, title: str = "") -> None:
     bottom.set_xlabel("engine step")
     bottom.set_xticks(range(0, len(trace), max(1, len(trace) // 25)))
     bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    fig.savefig(path)
+
+
+def plot_adapters(trace: list[StepRecord], path: str, names: dict[int, str] | None = None, title: str = "",
+                  max_loras: int | None = None) -> None:
+    """Top: one row per request, a cell for each step that computed it, coloured by its LoRA adapter (grey: the
+    base model), with the tokens it computed. Bottom: the distinct adapters in each step's batch, against
+    max_loras (the slots on the device)."""
+    names, loras = names or default_names(trace), adapter_names(trace)
+    colours = {}  # adapter -> colour, in the order they first run
+    for rec in trace:
+        for r in rec.scheduled:
+            if r.lora_name and r.lora_name not in colours:
+                colours[r.lora_name] = LORA_COLOURS[len(colours) % len(LORA_COLOURS)]
+    ids = sorted(names)
+    fig = Figure(figsize=(min(14, max(7.5, 3 + 0.35 * len(trace))), 3.4 + 0.4 * len(ids)), dpi=100,
+                 layout="constrained")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[max(len(ids), 2), 2])
+    for t, labels in enumerate(token_labels(trace)):
+        for rid, label in labels.items():
+            colour = colours.get(loras.get(rid), BASE)
+            top.add_patch(Rectangle((t - 0.5, ids.index(rid) - 0.5), 1, 1, facecolor=colour, edgecolor="white"))
+            top.text(t, ids.index(rid), label, ha="center", va="center", fontsize=8 if len(label) < 4 else 7,
+                     color="black" if colour == BASE else "white")
+    top.set_xlim(-0.5, len(trace) - 0.5)
+    top.set_ylim(len(ids) - 0.5, -0.5)
+    top.set_yticks(range(len(ids)), [f"{names[i]} ({loras[i]})" if i in loras else names[i] for i in ids])
+    top.set_ylabel("request")
+    top.set_title(title or "which adapter each request computed with, step by step", fontsize=10)
+    per_step = [len({r.lora_name for r in rec.scheduled if r.lora_name}) for rec in trace]
+    bottom.bar(range(len(trace)), per_step, width=0.8, color="#555555", label="adapters in the step's batch")
+    if max_loras is not None:
+        bottom.axhline(max_loras, color="black", linestyle="--", linewidth=1.5, label=f"max_loras ({max_loras})")
+    bottom.set_ylim(0, max(per_step + [max_loras or 0]) + 1)
+    bottom.yaxis.get_major_locator().set_params(integer=True)
+    bottom.set_ylabel("adapters")
+    bottom.set_xlabel("engine step")
+    bottom.set_xticks(range(0, len(trace), max(1, len(trace) // 25)))
+    bottom.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
+    handles = [Patch(facecolor=BASE, label="base model")]
+    handles += [Patch(facecolor=c, label=f"adapter {name}") for name, c in colours.items()]
+    top.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8, frameon=False)
     fig.savefig(path)
 
 
