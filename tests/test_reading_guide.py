@@ -76,3 +76,20 @@ def test_the_side_by_side_counts_are_the_files(converted):
     total = next(line for line in (REPO / "docs" / "nano_vllm.md").read_text().splitlines()
                  if line.startswith("| in all"))
     assert int(total.split("|")[5].strip().replace(",", "")) == sum(map(count, guide_core_files()))
+
+
+def test_the_readmes_sizes_are_the_files():
+    """The README's opening sizes ("about 2,400 lines in 20 files", "about 5,400 ... and 7,900 ...") are the guide's
+    core, the package without serving/ and tools/, and the whole package, to the nearest hundred."""
+    def count(path: Path) -> int:
+        return sum(1 for line in path.read_text().splitlines() if line.strip())
+
+    package = list((REPO / "nanoserve").rglob("*.py"))
+    features = [p for p in package if p.relative_to(REPO / "nanoserve").parts[0] not in ("serving", "tools")]
+    actual = [sum(count(REPO / f) for f in guide_core_files()), sum(map(count, features)), sum(map(count, package))]
+    opening = (REPO / "README.md").read_text().split("## Quick start")[0]
+    stated = re.search(r"runs about ([\d,]+) lines in (\d+) files.*?about ([\d,]+) lines with them and ([\d,]+) with",
+                       opening, re.S)
+    assert stated, "the README's opening no longer states the sizes"
+    assert int(stated[2]) == len(guide_core_files())
+    assert [int(stated[i].replace(",", "")) for i in (1, 3, 4)] == [round(n, -2) for n in actual], actual
