@@ -6,9 +6,8 @@ hash names, and the host tier's books add up. Outputs equal the unconstrained ru
 import random
 
 import pytest
-from test_scheduling_random import check_books, check_step, next_token, unconstrained, write_and_check_kv
+from test_scheduling_random import check_books, check_step, next_token, random_config, unconstrained, write_and_check_kv
 
-from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
@@ -55,13 +54,8 @@ def check_tiers(bm: BlockManager, tier: HostKVTier, kv: dict, host_kv: dict, blo
 
 def run_case(model: str, seed: int) -> tuple[int, int]:
     rng = random.Random(seed)
-    block_size = rng.choice([1, 2, 4])
-    max_model_len = rng.randint(12, 40)
-    chunked = rng.random() < 0.5
-    config = Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=max_model_len,
-                    max_num_batched_tokens=rng.randint(1 if chunked else max_model_len, 2 * max_model_len),
-                    enable_chunked_prefill=chunked, scheduling_policy=rng.choice(["fcfs", "priority"]),
-                    preemption_mode=rng.choice(["recompute", "swap"]))
+    config = random_config(rng, model, (12, 40))
+    block_size, max_model_len = config.block_size, config.max_model_len
     largest = 2 * -(-max_model_len // block_size)  # a request of n=2 at max_model_len, as check_request allows
     seams = Seams()
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, True, seams)

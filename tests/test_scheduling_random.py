@@ -37,14 +37,20 @@ def unconstrained(prompt: list[int], params: SamplingParams, index: int) -> list
             return tokens[len(prompt):]
 
 
-def random_case(rng: random.Random, model: str, prefix_caching: bool):
+def random_config(rng: random.Random, model: str, max_model_lens: tuple[int, int], **options) -> Config:
+    """Random scheduler options (block size, lengths, budget, chunked prefill, policy, preemption mode)."""
     block_size = rng.choice([1, 2, 4])
-    max_model_len = rng.randint(4, 32)
+    max_model_len = rng.randint(*max_model_lens)
     chunked = rng.random() < 0.5
-    config = Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=max_model_len,
-                    max_num_batched_tokens=rng.randint(1 if chunked else max_model_len, 2 * max_model_len),
-                    enable_chunked_prefill=chunked, scheduling_policy=rng.choice(["fcfs", "priority"]),
-                    preemption_mode=rng.choice(["recompute", "swap"]), enable_prefix_caching=prefix_caching)
+    return Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=max_model_len,
+                  max_num_batched_tokens=rng.randint(1 if chunked else max_model_len, 2 * max_model_len),
+                  enable_chunked_prefill=chunked, scheduling_policy=rng.choice(["fcfs", "priority"]),
+                  preemption_mode=rng.choice(["recompute", "swap"]), **options)
+
+
+def random_case(rng: random.Random, model: str, prefix_caching: bool):
+    config = random_config(rng, model, (4, 32), enable_prefix_caching=prefix_caching)
+    block_size, max_model_len = config.block_size, config.max_model_len
     prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))] for _ in range(3)]
     requests = []
     for seq_id in range(rng.randint(1, 12)):
