@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
-from nanoserve.utils.backends import pick_attention_backend, pick_elementwise_backend
+from nanoserve.utils.backends import build_cpu_kernels, pick_attention_backend, pick_elementwise_backend
 
 
 def has_tokenizer(path: str) -> bool:
@@ -123,6 +123,7 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        build_cpu_kernels(self.attention_backend, self.elementwise_backend, self.device, self.dtype)
         self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype,
                                                         self.kv_cache_dtype)
         self.elementwise_backend = pick_elementwise_backend(self.elementwise_backend, self.device, self.dtype)

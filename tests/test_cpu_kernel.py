@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from nanoserve.utils import cpu_kernel
+from nanoserve.utils.backends import build_cpu_kernels
 from nanoserve.utils.cpu_kernel import build_dir_for, load_cpu_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,3 +87,22 @@ def test_a_build_killed_midway_then_a_normal_run_completes_with_a_message(tmp_pa
     third = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
                            timeout=HANG_S)
     assert third.stdout.startswith("<module 'nanoserve_elementwise_cpu'")  # built: loaded without a word
+
+
+def test_both_kernels_build_side_by_side(monkeypatch):
+    """Config asks for both C++ kernels at once where both may be wanted: each build waits here for the other to
+    have started (a barrier that builds one after the other would never pass)."""
+    barrier, asked = threading.Barrier(2, timeout=30), []
+
+    def build(source: str) -> str:
+        barrier.wait()
+        asked.append(source)
+        return "not built in this test"
+
+    monkeypatch.setattr(cpu_kernel, "load_cpu_kernel", build)
+    build_cpu_kernels("auto", "auto", "cpu", "float32")
+    assert sorted(asked) == ["elementwise_cpu", "paged_attention_cpu"]
+    asked.clear()
+    for options in (("torch", "auto", "cpu", "float32"), ("auto", "auto", "cpu", "bfloat16")):
+        build_cpu_kernels(*options)  # one kernel wanted at most, or none: nothing is built ahead
+    assert asked == []

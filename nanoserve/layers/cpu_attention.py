@@ -4,7 +4,7 @@ torch_paged_attention (layers/attention.py) is the version to read: it copies a 
 pool, then runs PyTorch's SDPA on the copy. The copy costs as much as the attention itself, so on CPU the
 default is csrc/paged_attention_cpu.cpp: the same three steps (scores, softmax, weighted values) walking the
 block table, vectorized with PyTorch's own at::vec. nanoserve/utils/cpu_kernel.py compiles it on first use
-(25-30 s on 2 cores, once) and loads it afterwards; where it cannot be built, "auto" keeps the PyTorch path.
+(25-40 s on 2 cores, once) and loads it afterwards; where it cannot be built, "auto" keeps the PyTorch path.
 """
 import torch
 
