@@ -1,9 +1,11 @@
 """Batched LoRA for the rows of one step (the "punica" idea, in PyTorch): every linear layer an adapter may
 target holds max_loras stacked A and B slots; a step's rows each use one slot or none, and two matmuls per
-layer serve them all, whatever mix of adapters they use. No Python loop over requests.
+layer serve them all, whatever mix of adapters they use. No Python loop over requests. On CUDA a Triton kernel
+multiplies each row by its own slot's weights alone (triton_lora.py).
 
 Every rank holds the same slots (tensor parallelism): rank 0's LoRAManager decides what each slot holds and which
 slot each row uses, and runs that on every rank's LoRASlots (add_lora_slots, lora_slots_call)."""
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -18,10 +20,12 @@ from nanoserve.lora.adapter import TARGETS
 class LoRARows:
     """The step's rows, set before each forward (LoRASlots.set_rows), read by every LoRALinear.
     scaling [T, 1]: each row's adapter's (0 for base rows); None: no row uses an adapter, and the layers run the
-    base model alone. mask [T, max_loras]: 1.0 where row t uses slot s."""
+    base model alone. mask [T, max_loras]: 1.0 where row t uses slot s (the PyTorch path); groups: the rows
+    grouped by slot instead, on CUDA (triton_lora.py)."""
 
     scaling: torch.Tensor | None = None
     mask: torch.Tensor | None = None
+    groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class LoRALinear(nn.Module):
@@ -65,10 +69,16 @@ class LoRALinear(nn.Module):
         if rows.scaling is None:  # no adapter in this step: the base model, nothing more
             return self.base(x)
         y = self.base.partial(x) if self.row_parallel else self.base(x)
-        t, num_parts = x.shape[0], len(self.output_sizes)
-        h = (x @ self.lora_a).view(t, num_parts, self.max_loras, self.max_rank) * rows.mask[:, None, :, None]
-        delta = torch.cat([h[:, p].reshape(t, -1) @ self.lora_b[p] for p in range(num_parts)], dim=1)
-        y = y + delta * rows.scaling  # PEFT's order: base + B(A(x)) * scaling
+        if rows.groups is not None:  # on CUDA: each row times its own slot's weights alone (triton_lora.py)
+            from nanoserve.lora.triton_lora import add_lora
+
+            add_lora(x.contiguous(), y, self.lora_a, self.lora_b, rows.groups, rows.scaling, self.max_loras,
+                     self.max_rank)
+        else:
+            t, num_parts = x.shape[0], len(self.output_sizes)
+            h = (x @ self.lora_a).view(t, num_parts, self.max_loras, self.max_rank) * rows.mask[:, None, :, None]
+            delta = torch.cat([h[:, p].reshape(t, -1) @ self.lora_b[p] for p in range(num_parts)], dim=1)
+            y = y + delta * rows.scaling  # PEFT's order: base + B(A(x)) * scaling
         return self.base.all_reduce(y) if self.row_parallel else y
 
 
@@ -77,6 +87,7 @@ class LoRASlots:
 
     def __init__(self, model: nn.Module, max_loras: int, max_rank: int, device: torch.device, dtype: torch.dtype):
         self.max_loras, self.device, self.dtype = max_loras, device, dtype
+        self.grouped = device.type == "cuda" and importlib.util.find_spec("triton") is not None  # the Triton path
         self.rows = LoRARows()
         # (layer, target) -> its LoRALinear, and the target's part of it (q_proj is part 0 of qkv_proj)
         self.layers: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
@@ -100,13 +111,18 @@ class LoRASlots:
         """The next forward's rows: each one's slot (-1: the base model), and each slot's scaling. None: no row
         uses an adapter."""
         if row_slots is None:
-            self.rows.scaling = self.rows.mask = None
+            self.rows.scaling = self.rows.mask = self.rows.groups = None
             return
         row_slots = row_slots.to(self.device)
         scaling = torch.tensor(slot_scaling + [0.0], device=self.device)  # [-1]: the base rows' 0
         self.rows.scaling = scaling[row_slots, None].to(self.dtype)
-        one_hot = torch.nn.functional.one_hot(row_slots + 1, self.max_loras + 1)[:, 1:]
-        self.rows.mask = one_hot.to(self.dtype)
+        if self.grouped:
+            from nanoserve.lora.triton_lora import group_rows  # triton: imported only on CUDA
+
+            self.rows.mask, self.rows.groups = None, group_rows(row_slots, self.max_loras)
+        else:
+            one_hot = torch.nn.functional.one_hot(row_slots + 1, self.max_loras + 1)[:, 1:]
+            self.rows.mask, self.rows.groups = one_hot.to(self.dtype), None
 
 
 def add_lora_slots(runner: ModelRunner, max_loras: int, max_rank: int) -> None:
