@@ -34,7 +34,7 @@ def validate_lora_options(config) -> None:
         config.max_cpu_loras = config.max_loras
     if config.max_cpu_loras < config.max_loras:
         raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")
-    for name in ("pipeline_parallel_size", "speculative_config"):
+    for name in ("speculative_config",):
         if getattr(config, name) not in (1, None):
             raise ValueError(f"enable_lora: not supported with {name}={getattr(config, name)!r} yet")
     config.enforce_eager = True  # a CUDA graph would replay its first step's adapter rows

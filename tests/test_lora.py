@@ -1,7 +1,8 @@
 """LoRA adapters (nanoserve/lora/): greedy float32 output equals transformers with the adapter applied by peft,
 token for token, with three random adapters and base-model requests in one batch, on the three architectures,
-through preemption (recompute, swap), chunked prefill, async scheduling, priority and tensor parallelism; the
-max_loras cap; the prefix cache keyed by adapter; bad adapters refused with a ValueError naming what is wrong."""
+through preemption (recompute, swap), chunked prefill, async scheduling, priority, tensor and pipeline
+parallelism; the max_loras cap; the prefix cache keyed by adapter; bad adapters refused with a ValueError naming
+what is wrong."""
 import functools
 import json
 import shutil
@@ -108,10 +109,14 @@ def test_mixed_batch_equals_peft(tiny_models, adapters, arch, schedule):
             "priority": stats.num_preemptions}.get(schedule, 1) > 0
 
 
-def test_tensor_parallel_equals_peft(tiny_models, adapters):
-    """tensor_parallel_size=2 (two gloo processes): each rank holds its share of every slot. max_loras=2 with three
-    adapters in flight: the slots are reloaded between steps, on both ranks."""
-    llm = LLM(tiny_models["qwen3"], enable_lora=True, max_loras=2, tensor_parallel_size=2, **ROOMY_POOL)
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(pipeline_parallel_size=2, async_scheduling=True)],
+                         ids=["tensor", "pipeline-async"])
+def test_parallel_equals_peft(tiny_models, adapters, parallel):
+    """Two gloo processes: with tensor parallelism each rank holds its share of every slot, with pipeline stages
+    (and two batches in flight) its stage's layers' slots. max_loras=2 with three adapters in flight: the slots
+    are reloaded between steps, on both ranks."""
+    llm = LLM(tiny_models["qwen3"], enable_lora=True, max_loras=2, **parallel, **ROOMY_POOL)
     loras = mixed(adapters["qwen3"])
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert_equal_to_peft(tiny_models["qwen3"], outputs, loras)
@@ -293,8 +298,7 @@ def test_lora_options_are_checked(tiny_models, adapters):
                            (dict(max_loras=3, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),
                            (dict(max_lora_rank=1.5), "max_lora_rank must be an integer"),
                            (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                            "enable_lora: not supported with speculative_config"),
-                           (dict(pipeline_parallel_size=2), "enable_lora: not supported with pipeline_parallel_size")):
+                            "enable_lora: not supported with speculative_config"),):
         with pytest.raises(ValueError, match=match):
             LLM(model, enable_lora=True, **ROOMY_POOL, **options)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
