@@ -1,8 +1,8 @@
 """LoRA adapters (nanoserve/lora/): greedy float32 output equals transformers with the adapter applied by peft,
 token for token, with three random adapters and base-model requests in one batch, on the three architectures,
 through preemption (recompute, swap), chunked prefill, async scheduling, priority, tensor and pipeline
-parallelism; the max_loras cap; the prefix cache keyed by adapter; bad adapters refused with a ValueError naming
-what is wrong."""
+parallelism, speculative decoding and the Triton kernel; the max_loras cap; the prefix cache keyed by adapter;
+bad adapters refused with a ValueError naming what is wrong."""
 import functools
 import json
 import shutil
@@ -123,6 +123,18 @@ def test_parallel_equals_peft(tiny_models, adapters, parallel):
     worker = llm.engine.executor.procs[0]
     del llm  # no reference cycle through the LoRA manager: the worker stops at once
     assert not worker.is_alive()
+
+
+def test_speculative_decoding_with_a_draft_model_equals_peft(tiny_models, adapters):
+    """The draft model proposes without adapters (its layers are not LoRA's); the target verifies each row's
+    drafts under the row's own adapter, so the tokens are the adapter's."""
+    model = tiny_models["qwen3"]
+    llm = LLM(model, enable_lora=True, max_loras=3, speculative_config={"model": model, "num_speculative_tokens": 2},
+              **ROOMY_POOL)
+    loras = mixed(adapters["qwen3"])
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    assert_equal_to_peft(model, outputs, loras)
+    assert llm.stats.spec_decoding.num_accepted_tokens > 0
 
 
 def test_each_rank_holds_its_share_of_a_slot():
@@ -296,9 +308,7 @@ def test_lora_options_are_checked(tiny_models, adapters):
         LLM(model, **ROOMY_POOL).generate(PROMPTS[:1], GREEDY, lora_request=adapters["qwen3"][1])
     for options, match in ((dict(max_loras=0), "max_loras must be >= 1"),
                            (dict(max_loras=3, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),
-                           (dict(max_lora_rank=1.5), "max_lora_rank must be an integer"),
-                           (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                            "enable_lora: not supported with speculative_config"),):
+                           (dict(max_lora_rank=1.5), "max_lora_rank must be an integer")):
         with pytest.raises(ValueError, match=match):
             LLM(model, enable_lora=True, **ROOMY_POOL, **options)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):
