@@ -93,9 +93,10 @@ class LoRASlots:
         self.layers: dict[tuple[int, str], tuple[LoRALinear, int]] = {}
         fused = {target: model.packed_modules_mapping.get(target, (target, 0)) for target in TARGETS}
         for i, decoder_layer in enumerate(model.model.layers):
-            # (another pipeline stage's layer is a placeholder without blocks: that stage holds its slots)
-            for block in (getattr(decoder_layer, "self_attn", None), getattr(decoder_layer, "mlp", None)):
-                for name, base in list(block.named_children()) if block is not None else []:
+            if not hasattr(decoder_layer, "mlp"):  # another pipeline stage's layer (a placeholder): its slots are there
+                continue
+            for block in (decoder_layer.self_attn, decoder_layer.mlp):
+                for name, base in list(block.named_children()):
                     targets = [t for t, (module, _) in fused.items() if module == name]
                     if targets:
                         wrapped = LoRALinear(base, max_loras, max_rank, self.rows)
