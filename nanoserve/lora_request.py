@@ -28,13 +28,9 @@ class LoRARequest:
 
 
 def validate_lora_options(config) -> None:
-    """Config(enable_lora=True)'s options: the host cache holds at least the slots' adapters; what LoRA does not
-    run with yet is refused."""
+    """Config(enable_lora=True)'s options: the host cache holds at least the slots' adapters."""
     if config.max_cpu_loras is None:
         config.max_cpu_loras = config.max_loras
     if config.max_cpu_loras < config.max_loras:
         raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size", "speculative_config"):
-        if getattr(config, name) not in (1, None):
-            raise ValueError(f"enable_lora: not supported with {name}={getattr(config, name)!r} yet")
     config.enforce_eager = True  # a CUDA graph would replay its first step's adapter rows

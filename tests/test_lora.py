@@ -1,7 +1,8 @@
 """LoRA adapters (nanoserve/lora/): greedy float32 output equals transformers with the adapter applied by peft,
 token for token, with three random adapters and base-model requests in one batch, on the three architectures,
-through preemption (recompute, swap), chunked prefill, async scheduling and priority; the max_loras cap; the
-prefix cache keyed by adapter; bad adapters refused with a ValueError naming what is wrong."""
+through preemption (recompute, swap), chunked prefill, async scheduling, priority, tensor and pipeline
+parallelism, speculative decoding and the Triton kernel; the max_loras cap; the prefix cache keyed by adapter;
+bad adapters refused with a ValueError naming what is wrong."""
 import functools
 import json
 import shutil
@@ -15,6 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from conftest import ARCHS, ROOMY_POOL, make_model
 from nanoserve import LLM, AsyncLLM, LoRARequest, SamplingParams
+from nanoserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from nanoserve.lora.layers import LoRALinear, LoRARows
 
 # Three adapters: different ranks, targets, scalings (one rsLoRA); B drawn nonzero, so each changes the output.
 ADAPTERS = {
@@ -104,6 +107,79 @@ def test_mixed_batch_equals_peft(tiny_models, adapters, arch, schedule):
     stats = llm.stats  # the schedule did what it is named for
     assert {"recompute": stats.num_preemptions, "swap": stats.num_swapped_out, "chunked": stats.num_chunked_prefills,
             "priority": stats.num_preemptions}.get(schedule, 1) > 0
+
+
+@pytest.mark.parametrize("parallel", [dict(tensor_parallel_size=2),
+                                      dict(pipeline_parallel_size=2, async_scheduling=True)],
+                         ids=["tensor", "pipeline-async"])
+def test_parallel_equals_peft(tiny_models, adapters, parallel):
+    """Two gloo processes: with tensor parallelism each rank holds its share of every slot, with pipeline stages
+    (and two batches in flight) its stage's layers' slots. max_loras=2 with three adapters in flight: the slots
+    are reloaded between steps, on both ranks."""
+    llm = LLM(tiny_models["qwen3"], enable_lora=True, max_loras=2, **parallel, **ROOMY_POOL)
+    loras = mixed(adapters["qwen3"])
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    assert_equal_to_peft(tiny_models["qwen3"], outputs, loras)
+    worker = llm.engine.executor.procs[0]
+    del llm  # no reference cycle through the LoRA manager: the worker stops at once
+    assert not worker.is_alive()
+
+
+def test_speculative_decoding_with_a_draft_model_equals_peft(tiny_models, adapters):
+    """The draft model proposes without adapters (its layers are not LoRA's); the target verifies each row's
+    drafts under the row's own adapter, so the tokens are the adapter's."""
+    model = tiny_models["qwen3"]
+    llm = LLM(model, enable_lora=True, max_loras=3, speculative_config={"model": model, "num_speculative_tokens": 2},
+              **ROOMY_POOL)
+    loras = mixed(adapters["qwen3"])
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
+    assert_equal_to_peft(model, outputs, loras)
+    assert llm.stats.spec_decoding.num_accepted_tokens > 0
+
+
+def test_each_rank_holds_its_share_of_a_slot():
+    """Two tensor-parallel ranks in one process (each layer told its rank; base weights zero, so a layer's output
+    is its LoRA product): a column-parallel rank's output is its rows of the whole layer's, a lone KV head, which
+    the ranks outnumber, whole on both; the partial products of a row-parallel layer's ranks sum to the whole's."""
+    gen = torch.Generator().manual_seed(0)
+    hidden, q, kv, r = 64, 64, 16, 4  # 4 query heads and 1 KV head of 16
+    rows = LoRARows(scaling=torch.full((5, 1), 0.5), mask=torch.ones(5, 1))  # 5 rows of the one slot
+
+    def layer(base: torch.nn.Linear, rank: int, size: int, weights) -> LoRALinear:
+        base.weight.data.zero_()
+        base.tp_rank, base.tp_size = rank, size
+        wrapped = LoRALinear(base, 1, r, rows)
+        for part, (a, b) in enumerate(weights):
+            wrapped.set_slot(0, part, a, b)
+        return wrapped
+
+    x = torch.randn(5, hidden, generator=gen)
+    qkv = [(torch.randn(r, hidden, generator=gen), torch.randn(size, r, generator=gen)) for size in (q, kv)]
+    whole = layer(MergedColumnParallelLinear(hidden, [q, kv]), 0, 1, qkv)(x)
+    for rank in range(2):
+        share = layer(MergedColumnParallelLinear(hidden, [q // 2, kv]), rank, 2, qkv)(x)
+        torch.testing.assert_close(share, torch.cat([whole[:, rank * q // 2 : (rank + 1) * q // 2], whole[:, q:]], 1))
+    o = [(torch.randn(r, q, generator=gen), torch.randn(hidden, r, generator=gen))]
+    x = torch.randn(5, q, generator=gen)
+    whole = layer(RowParallelLinear(q, hidden), 0, 1, o)(x)
+    # (tp_size 1: no process group to all-reduce in; the sum below is the all-reduce)
+    shares = [layer(RowParallelLinear(q // 2, hidden), rank, 1, o)(x[:, rank * q // 2 : (rank + 1) * q // 2])
+              for rank in range(2)]
+    torch.testing.assert_close(shares[0] + shares[1], whole)
+
+
+def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters):
+    """The Triton path (nanoserve/lora/triton_lora.py, CUDA's), here through Triton's interpreter: each step's rows
+    grouped by slot, every LoRA layer's shrink and expand, with adapters 1-3 and the base model in one batch."""
+    pytest.importorskip("triton")
+    llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=3, **ROOMY_POOL)
+    llm.engine.model_runner.model.lora_slots.grouped = True  # (what LoRASlots picks on CUDA)
+    loras = mixed(adapters["qwen2"])[:4]
+    outputs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
+                           lora_request=loras)  # (4 tokens: the interpreter runs each program in Python)
+    for prompt, output, lora in zip(PROMPTS, outputs, loras):
+        tokens = peft_greedy(tiny_models["qwen2"], None if lora is None else lora.lora_path, tuple(prompt))[0]
+        assert output.outputs[0].token_ids == tokens[:4], (lora, prompt)
 
 
 def test_logprobs_and_a_single_adapter_for_all_prompts(tiny_models, adapters):
@@ -232,11 +308,7 @@ def test_lora_options_are_checked(tiny_models, adapters):
         LLM(model, **ROOMY_POOL).generate(PROMPTS[:1], GREEDY, lora_request=adapters["qwen3"][1])
     for options, match in ((dict(max_loras=0), "max_loras must be >= 1"),
                            (dict(max_loras=3, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),
-                           (dict(max_lora_rank=1.5), "max_lora_rank must be an integer"),
-                           (dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2}),
-                            "enable_lora: not supported with speculative_config"),
-                           (dict(tensor_parallel_size=2), "enable_lora: not supported with tensor_parallel_size"),
-                           (dict(pipeline_parallel_size=2), "enable_lora: not supported with pipeline_parallel_size")):
+                           (dict(max_lora_rank=1.5), "max_lora_rank must be an integer")):
         with pytest.raises(ValueError, match=match):
             LLM(model, enable_lora=True, **ROOMY_POOL, **options)
     with pytest.raises(ValueError, match="lora_int_id must be an integer >= 1"):

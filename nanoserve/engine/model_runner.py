@@ -1,3 +1,5 @@
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -247,3 +249,8 @@ class ModelRunner:
         gathered = [{} for _ in range(dist.get_world_size())] if self.rank == 0 else None
         dist.gather_object(shapes, gathered, dst=0)
         return gathered
+
+    def apply(self, fn: Callable, *args) -> object:
+        """fn(self, *args): a feature's work on this rank's model (`executor.call("apply", fn, ...)` runs it on
+        every rank: LoRA's slots, nanoserve/lora/layers.py)."""
+        return fn(self, *args)

@@ -68,8 +68,8 @@ class Seams:
     #    block_manager.hash_root) is checked here before anything is queued (EngineCore.check_request: the LoRA
     #    feature reads the adapter, a ValueError names what is wrong). None: a lora_request is refused.
     check_lora_request: Callable[[LoRARequest], None] | None = None
-    # 10. Before the forward (Executor.launch), on the process that plans: (plan, inputs) -> None, e.g. load the
-    #    step's adapters into their slots and tell the LoRA layers each row's slot.
+    # 10. Before the forward (Executor.launch), on the process that plans: (plan, inputs) -> None, e.g. LoRA's slot
+    #    loads and rows, which it runs on every rank through executor.call("apply", fn, ...) (ModelRunner.apply).
     before_forward: list[Callable[[SchedulerOutput, object], None]] = field(default_factory=list)
     # 11. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
     #    process's ModelRunner alone (engine/executor.py).

@@ -78,11 +78,15 @@ class MergedColumnParallelLinear(nn.Linear):
         self.output_sizes = output_sizes
         self.tp_rank, self.tp_size = tp_rank_size()
 
+    def rank_rows(self, shard: int, num_rows: int) -> slice:
+        """This rank's rows of part `shard`, whose full weight (every rank's) has num_rows."""
+        size = self.output_sizes[shard]
+        start = self.tp_rank * (num_rows // size) // self.tp_size * size
+        return slice(start, start + size)
+
     def weight_loader(self, param: nn.Parameter, loaded, shard: int) -> None:
         size, offset = self.output_sizes[shard], sum(self.output_sizes[:shard])
-        num_slices = loaded.get_shape()[0] // size
-        start = self.tp_rank * num_slices // self.tp_size * size
-        param.data[offset : offset + size].copy_(loaded[start : start + size])
+        param.data[offset : offset + size].copy_(loaded[self.rank_rows(shard, loaded.get_shape()[0])])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -97,13 +101,23 @@ class RowParallelLinear(nn.Linear):
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
         if param.dim() == 2:  # the weight: this rank's columns (the bias is whole on every rank)
-            size = param.shape[1]
-            param.data.copy_(loaded[:, self.tp_rank * size : (self.tp_rank + 1) * size])
+            param.data.copy_(loaded[:, self.rank_columns()])
         else:
             param.data.copy_(loaded[:])
 
+    def rank_columns(self) -> slice:
+        """This rank's columns of the full weight."""
+        return slice(self.tp_rank * self.in_features, (self.tp_rank + 1) * self.in_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        return self.all_reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial product of y (the bias is added on rank 0 alone)."""
+        return linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+
+    def all_reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' partial products, summed in place (a LoRA layer adds its own to its rank's first)."""
         if self.tp_size > 1:
             dist.all_reduce(y, group=tp_group())
         return y

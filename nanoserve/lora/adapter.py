@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 from safetensors.torch import load_file
+from transformers import PretrainedConfig
 
 from nanoserve.lora_request import LoRARequest
 
@@ -27,6 +28,16 @@ class LoRAAdapter:
     rank: int
     scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with use_rslora
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+
+def target_shapes(config: PretrainedConfig) -> dict[str, tuple[int, int]]:
+    """Each target's (in, out) features in the whole model, as PEFT's weights have them (a tensor-parallel rank
+    holds a share of each)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    hidden, intermediate = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    return {"q_proj": (hidden, q), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (q, hidden),
+            "gate_proj": (hidden, intermediate), "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}
 
 
 def read_adapter(lora: LoRARequest, shapes: dict[str, tuple[int, int]], num_layers: int,

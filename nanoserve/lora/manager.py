@@ -1,7 +1,9 @@
 """The LoRA feature's engine side (vLLM's LoRA manager): adapters read into host memory (an LRU of max_cpu_loras),
 max_loras device slots loaded between steps, the scheduler's cap on adapters per step (seed 001's curr_loras),
-and each step's row -> slot mapping for the LoRALinear layers it puts in place of the model's linear layers."""
+and each step's row -> slot mapping. It runs on the process that plans; what it decides for the slots and rows,
+every rank's LoRASlots (layers.py) carries out."""
 import threading
+import weakref
 from collections import OrderedDict
 
 import numpy as np
@@ -10,8 +12,8 @@ import torch
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.lora.adapter import TARGETS, LoRAAdapter, read_adapter
-from nanoserve.lora.layers import LoRALinear, LoRARows
+from nanoserve.lora.adapter import LoRAAdapter, read_adapter, target_shapes
+from nanoserve.lora.layers import add_lora_slots, lora_slots_call
 from nanoserve.lora_request import LoRARequest
 
 
@@ -19,15 +21,17 @@ class LoRAManager:
     def __init__(self, engine: EngineCore):
         config = engine.config
         self.max_loras, self.max_rank, self.max_cpu_loras = config.max_loras, config.max_lora_rank, config.max_cpu_loras
-        self.rows = LoRARows()
-        self.layers, self.shapes = self._wrap(engine.model_runner.model)
-        self.num_layers = config.hf_config.num_hidden_layers
-        self.device, self.dtype = engine.model_runner.device, config.torch_dtype
+        # (Weakly: the executor holds the seams, which hold this manager; a strong reference back would keep
+        # `del llm` from stopping tensor-parallel workers at once.)
+        self.executor = weakref.proxy(engine.executor)
+        self.executor.call("apply", add_lora_slots, self.max_loras, self.max_rank)  # every rank's layers
+        self.shapes, self.num_layers = target_shapes(config.hf_config), config.hf_config.num_hidden_layers
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self.paths: dict[int, str] = {}  # every id seen -> its folder: an id keys the prefix cache, so it stays one
         self.slots: list[int | None] = [None] * self.max_loras  # the adapter id in each device slot
         self.slot_scaling = [0.0] * self.max_loras  # and its scaling
         self.slot_order: list[int] = list(range(self.max_loras))  # slots, least recently used first
+        self.rows_set = False  # whether the layers hold adapter rows (else they run the base model)
         self.lock = threading.Lock()  # AsyncLLM checks requests in the caller's thread, steps in the engine's
 
     @classmethod
@@ -38,25 +42,10 @@ class LoRAManager:
         engine.seams.before_forward.append(manager.before_forward)
         return manager
 
-    def _wrap(self, model: torch.nn.Module) -> tuple[dict[tuple[int, str], tuple[LoRALinear, int]], dict]:
-        """Put a LoRALinear in place of each linear layer a target lives in. Returns (layer, target) -> (its
-        LoRALinear, the target's part of it), and each target's (in, out) features."""
-        fused = {target: model.packed_modules_mapping.get(target, (target, 0)) for target in TARGETS}
-        layers, shapes = {}, {}
-        for i, decoder_layer in enumerate(model.model.layers):
-            for block in (decoder_layer.self_attn, decoder_layer.mlp):
-                for name, base in list(block.named_children()):
-                    targets = [t for t, (module, _) in fused.items() if module == name]
-                    if not targets:
-                        continue
-                    sizes = getattr(base, "output_sizes", [base.out_features])
-                    wrapped = LoRALinear(base, sizes, self.max_loras, self.max_rank, self.rows)
-                    setattr(block, name, wrapped)
-                    for target in targets:
-                        part = fused[target][1]
-                        layers[(i, target)] = (wrapped, part)
-                        shapes[target] = (base.in_features, sizes[part])
-        return layers, shapes
+    def on_every_rank(self, method: str, *args) -> None:
+        """Each rank's LoRASlots.method(*args): the executor sends the call to the workers of tensor parallelism
+        (in order, before the step's forward) and runs it on rank 0."""
+        self.executor.call("apply", lora_slots_call, method, *args)
 
     # ---- requests: read the adapter, or say what is wrong with it ---------------------------------
     def check(self, lora: LoRARequest) -> None:
@@ -94,14 +83,15 @@ class LoRAManager:
     def before_forward(self, out: SchedulerOutput, inputs) -> None:
         step = {s.lora_request.lora_int_id: s.lora_request for s in out.seqs if s.lora_request is not None}
         if not step:
-            self.rows.mask = self.rows.scaling = None
+            if self.rows_set:  # (a step of base rows after adapter rows: the layers go back to the base model)
+                self.on_every_rank("set_rows", None, [])
+                self.rows_set = False
             return
         slot_of = {lora_id: self._slot(lora, step) for lora_id, lora in step.items()}
         seq_slots = [slot_of[s.lora_request.lora_int_id] if s.lora_request is not None else -1 for s in out.seqs]
         row_slots = torch.from_numpy(np.repeat(seq_slots, out.num_scheduled_tokens))  # -1: the base model
-        one_hot = torch.nn.functional.one_hot(row_slots + 1, self.max_loras + 1)[:, 1:]
-        self.rows.mask = one_hot.to(self.device, self.dtype)
-        self.rows.scaling = torch.tensor(self.slot_scaling + [0.0])[row_slots, None].to(self.device, self.dtype)
+        self.on_every_rank("set_rows", row_slots, self.slot_scaling)
+        self.rows_set = True
 
     def _slot(self, lora: LoRARequest, step: dict[int, LoRARequest]) -> int:
         """The device slot holding lora, loaded into the least recently used slot no adapter of this step holds
@@ -112,9 +102,7 @@ class LoRAManager:
             with self.lock:
                 adapter = self._host_adapter(lora)
             slot = next(s for s in self.slot_order if self.slots[s] not in step)
-            for (layer, target), (module, part) in self.layers.items():
-                a, b = adapter.weights.get((layer, target), (None, None))
-                module.set_slot(slot, part, *(None if w is None else w.to(self.device) for w in (a, b)))
+            self.on_every_rank("load", slot, adapter.weights)
             self.slots[slot], self.slot_scaling[slot] = lora.lora_int_id, adapter.scaling
         self.slot_order.remove(slot)
         self.slot_order.append(slot)
