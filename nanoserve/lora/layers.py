@@ -20,18 +20,18 @@ from nanoserve.lora.adapter import TARGETS
 class LoRARows:
     """The step's rows, set before each forward (LoRASlots.set_rows), read by every LoRALinear.
     scaling [T, 1]: each row's adapter's (0 for base rows); None: no row uses an adapter, and the layers run the
-    base model alone. mask [T, max_loras]: 1.0 where row t uses slot s (the PyTorch path); groups: the rows
-    grouped by slot instead, on CUDA (triton_lora.py)."""
+    base model alone. weights [T, max_loras]: row t's scaling in the column of its slot, 0 elsewhere (the PyTorch
+    path); groups: the rows grouped by slot instead, on CUDA (triton_lora.py)."""
 
     scaling: torch.Tensor | None = None
-    mask: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
     groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
 
 class LoRALinear(nn.Module):
     """A linear layer of the base model (fused ones too: qkv_proj's parts are q, k, v) plus its LoRA slots.
-    A [in, parts * slots * r] shrinks every row to every slot's rank-r space in one matmul; the mask keeps each
-    row's own slot; each part's B [slots * r, out] expands it (rows of other slots add zeros).
+    A [in, parts * slots * r] shrinks every row to every slot's rank-r space in one matmul; the row's weights keep
+    its own slot, scaled; each part's B [slots * r, out] expands it (rows of other slots add zeros).
 
     With tensor parallelism the slots are cut as the base weight is (vLLM's and punica's split): a column-parallel
     layer (qkv_proj, gate_up_proj) holds A whole and its rank's rows of each B; a row-parallel one (o_proj,
@@ -76,9 +76,12 @@ class LoRALinear(nn.Module):
                      self.max_rank)
         else:
             t, num_parts = x.shape[0], len(self.output_sizes)
-            h = (x @ self.lora_a).view(t, num_parts, self.max_loras, self.max_rank) * rows.mask[:, None, :, None]
-            delta = torch.cat([h[:, p].reshape(t, -1) @ self.lora_b[p] for p in range(num_parts)], dim=1)
-            y = y + delta * rows.scaling  # PEFT's order: base + B(A(x)) * scaling
+            # The scaling multiplies a row's r values here, not its outputs after B (PEFT's order): fewer products.
+            h = (x @ self.lora_a).view(t, num_parts, self.max_loras, self.max_rank).mul_(rows.weights[:, None, :, None])
+            start = 0
+            for p, size in enumerate(self.output_sizes):  # each part's B expands straight into its columns of y
+                y[:, start : start + size].addmm_(h[:, p].reshape(t, -1), self.lora_b[p])
+                start += size
         return self.base.all_reduce(y) if self.row_parallel else y
 
 
@@ -113,7 +116,7 @@ class LoRASlots:
         """The next forward's rows: each one's slot (-1: the base model), and each slot's scaling. None: no row
         uses an adapter."""
         if row_slots is None:
-            self.rows.scaling = self.rows.mask = self.rows.groups = None
+            self.rows.scaling = self.rows.weights = self.rows.groups = None
             return
         row_slots = row_slots.to(self.device)
         scaling = torch.tensor(slot_scaling + [0.0], device=self.device)  # [-1]: the base rows' 0
@@ -121,10 +124,10 @@ class LoRASlots:
         if self.grouped:
             from nanoserve.lora.triton_lora import group_rows  # triton: imported only on CUDA
 
-            self.rows.mask, self.rows.groups = None, group_rows(row_slots, self.max_loras)
+            self.rows.weights, self.rows.groups = None, group_rows(row_slots, self.max_loras)
         else:
             one_hot = torch.nn.functional.one_hot(row_slots + 1, self.max_loras + 1)[:, 1:]
-            self.rows.mask, self.rows.groups = one_hot.to(self.dtype), None
+            self.rows.weights, self.rows.groups = one_hot.to(self.dtype) * self.rows.scaling, None
 
 
 def add_lora_slots(runner: ModelRunner, max_loras: int, max_rank: int) -> None:
