@@ -99,7 +99,7 @@ def test_both_kernels_build_side_by_side(monkeypatch):
         asked.append(source)
         return "not built in this test"
 
-    monkeypatch.setattr(cpu_kernel, "load_cpu_kernel", build)
+    monkeypatch.setattr("nanoserve.utils.backends.load_cpu_kernel", build)
     build_cpu_kernels("auto", "auto", "cpu", "float32")
     assert sorted(asked) == ["elementwise_cpu", "paged_attention_cpu"]
     asked.clear()

@@ -4,7 +4,7 @@ import importlib.util
 import os
 from concurrent.futures import ThreadPoolExecutor
 
-from nanoserve.utils import cpu_kernel
+from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 
 def pick_attention_backend(name: str, device: str, dtype: str, kv_cache_dtype: str = "auto") -> str:
@@ -46,19 +46,19 @@ def build_cpu_kernels(attention_backend: str, elementwise_backend: str, device: 
     one compiler process, so 2 cores build both in 43 s instead of 62 s one after the other (a first run's wait)."""
     if device == "cpu" and dtype == "float32" and {attention_backend, elementwise_backend} <= {"auto", "cpu"}:
         with ThreadPoolExecutor(2) as pool:
-            list(pool.map(cpu_kernel.load_cpu_kernel, ["paged_attention_cpu", "elementwise_cpu"]))
+            list(pool.map(load_cpu_kernel, ["paged_attention_cpu", "elementwise_cpu"]))
 
 
 def cpu_kernel_runs(source: str, device: str, dtype: str) -> bool:
     """What "auto" asks: nanoserve's C++ kernel csrc/<source>.cpp is float32 on the CPU, and must build here."""
-    return device == "cpu" and dtype == "float32" and not isinstance(cpu_kernel.load_cpu_kernel(source), str)
+    return device == "cpu" and dtype == "float32" and not isinstance(load_cpu_kernel(source), str)
 
 
 def check_cpu_kernel(field: str, source: str, device: str, dtype: str) -> None:
     """field='cpu' asks for nanoserve's C++ kernel csrc/<source>.cpp: float32, on the CPU, and it must build."""
     if device != "cpu" or dtype != "float32":
         raise ValueError(f"{field}='cpu' is a float32 kernel for the CPU, got device {device!r} and dtype {dtype!r}")
-    if isinstance(why := cpu_kernel.load_cpu_kernel(source), str):
+    if isinstance(why := load_cpu_kernel(source), str):
         raise ValueError(f"{field}='cpu': the kernel could not be built here ({why})")
 
 
