@@ -64,13 +64,16 @@ class BlockManager:
 
     def _allocate_new_block(self) -> int:
         block = self._take_free_block(self.free_block_ids[0])
-        # The block is about to hold other tokens: its old hash must stop pointing at it (its KV may go down a tier).
+        self._uncache(block, offload=True)  # it is about to hold other tokens (its KV may go down a tier)
+        return block.block_id
+
+    def _uncache(self, block: Block, offload: bool) -> None:
+        """block's hash stops pointing at it; offload: its KV goes to the second tier first, if there is one."""
         if self.hash_to_block_id.get(block.hash) == block.block_id:
             del self.hash_to_block_id[block.hash]
-            if self.seams.kv_cache_tier is not None:
+            if offload and self.seams.kv_cache_tier is not None:
                 self.seams.kv_cache_tier.offload(block.block_id, block.hash, block.token_ids)
         block.hash, block.token_ids = -1, []
-        return block.block_id
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Block ids holding the longest cached prefix of seq, verified token by token; then the hashes of the
@@ -135,10 +138,7 @@ class BlockManager:
     def uncache(self, block_ids: set[int]) -> None:
         """Take blocks out of the prefix cache: their KV is not what their hash says (a copy into them failed)."""
         for block_id in block_ids:
-            block = self.blocks[block_id]
-            if self.hash_to_block_id.get(block.hash) == block_id:
-                del self.hash_to_block_id[block.hash]
-            block.hash, block.token_ids = -1, []
+            self._uncache(self.blocks[block_id], offload=False)
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register the blocks that became full of computed KV as seq's tokens start..end were computed.
