@@ -26,6 +26,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
 
         seams.executor_class = MultiprocExecutor
+    if config.device.startswith("cuda") or config.async_scheduling:  # where host time matters: persistent_batch.py
+        from nanoserve.persistent_batch import InputBatch
+
+        seams.input_batch = InputBatch(config.block_size).flatten
     engine = EngineCore(config, seams)
     if config.speculative_config is not None:  # speculative decoding: spec_decode/
         from nanoserve.spec_decode import plug_in

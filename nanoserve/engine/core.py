@@ -48,7 +48,7 @@ class EngineCore:
         self.seams = Seams() if seams is None else seams
         self.executor = (self.seams.executor_class or Executor)(config, self.seams)
         self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-        self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors)
+        self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors, self.seams.input_batch)
         self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                           config.enable_prefix_caching, self.seams)
         swap_pool = (BlockManager(self.model_runner.num_host_blocks, config.block_size, enable_prefix_caching=False)

@@ -77,6 +77,9 @@ class Seams:
     # 12. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
     kv_cache_tier: KVCacheTier | None = None
+    # 13. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
+    #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
+    input_batch: Callable | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)
