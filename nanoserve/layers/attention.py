@@ -122,21 +122,6 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """flash-attn on CUDA: the same contract as torch_paged_attention, in fused kernels."""
-    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # CUDA only: import lazily
-
-    if meta.max_seqlen_q == 1:  # decode: the kernel CUDA graphs capture
-        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                       block_table=meta.block_tables, softmax_scale=scale,
-                                       causal=True).squeeze(1)
-    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
-                                  cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
-                                  max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                                  block_table=meta.block_tables)
-
-
 # The "cpu" backend, the default on CPU: torch_paged_attention's copy of the blocks costs as much as the attention
 # itself, so csrc/paged_attention_cpu.cpp walks the block table in place instead (the same scores, softmax and
 # weighted values, its own layout within a block). utils/cpu_kernel.py compiles it once, on first use.
@@ -152,13 +137,14 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def attention_backend(name: str) -> tuple[Callable, Callable]:
-    """The (store K/V, attend) pair of a backend, as Config resolved it (triton's is imported only when chosen)."""
+    """The (store K/V, attend) pair of a backend, as Config resolved it (a GPU's is imported only when chosen)."""
     if name == "triton":
         from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache
         return triton_store_kvcache, triton_paged_attention
-    if name == "cpu":
-        return cpu_store_kvcache, cpu_paged_attention
-    return store_kvcache, flash_paged_attention if name == "flash_attn" else torch_paged_attention
+    if name == "flash_attn":
+        from nanoserve.layers.flash_attention import flash_paged_attention
+        return store_kvcache, flash_paged_attention
+    return (cpu_store_kvcache, cpu_paged_attention) if name == "cpu" else (store_kvcache, torch_paged_attention)
 
 
 class Attention(nn.Module):
