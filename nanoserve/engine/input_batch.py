@@ -170,6 +170,7 @@ class InputBuilder:
             min_ps=column("min_p", torch.float32), generators=[seq.generator for seq, _ in rows], penalties=penalties,
             min_tokens_mask=self.min_tokens_mask(rows) if "min_tokens" in used else None,
             logits_processors=processors)
+
     def min_tokens_mask(self, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids) the sampler rules out: EOS and the stop tokens, for a request that has fewer than
         min_tokens output tokens before this one (vLLM's MinTokensLogitsProcessor)."""

@@ -36,10 +36,9 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """logits = h E^T: each rank computes its own tokens' logits; rank 0, which samples, gathers them all
-    (the other ranks get None) and drops the padding's columns, so that no padding id can be sampled or scored.
-    Split like the embedding, so tied weights stay one tensor (on CPU the head then gets a copy reordered for
-    oneDNN: layers/linear.py)."""
+    """logits = h E^T: each rank computes its own tokens' logits; rank 0, which samples, gathers them all (the
+    others get None) and drops the padding's columns, so no padding id is sampled or scored. Split like the
+    embedding, so tied weights stay one tensor (on CPU the head gets a copy reordered for oneDNN: onednn.py)."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = linear(hidden_states, self.weight)

@@ -2,12 +2,11 @@
 has the PyTorch version of the same contract, torch_paged_attention)."""
 import torch
 
-from nanoserve.layers.attention import AttentionMetadata
 
-
-def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """flash-attn on CUDA: the same contract as torch_paged_attention, in fused kernels."""
+def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
+                          ) -> torch.Tensor:
+    """flash-attn on CUDA: the same contract as torch_paged_attention (meta: its AttentionMetadata), in fused
+    kernels."""
     from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # CUDA only: import lazily
 
     if meta.max_seqlen_q == 1:  # decode: the kernel CUDA graphs capture
