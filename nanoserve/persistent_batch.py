@@ -2,8 +2,8 @@
 its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
 (the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
 where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
-A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and with async scheduling,
-whose placeholders it writes as the core's loop does.
+A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and with async scheduling
+(whose placeholders it writes, as the core's loop does).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
 is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
@@ -72,7 +72,7 @@ class InputBatch:
         return StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
-            context_lens=starts + q_lens, logits_rows=logits_rows[~raw], raw_rows=logits_rows[raw],
+            context_lens=starts + q_lens, logits_rows=logits_rows[~raw].tolist(), raw_rows=logits_rows[raw].tolist(),
             params={name: params[:, i] for i, name in enumerate(PARAMS)},
             placeholder_rows=placeholders.tolist(),
             placeholder_seq_ids=[out.seqs[i].seq_id for i in owner[placeholders].tolist()])

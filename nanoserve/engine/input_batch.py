@@ -99,7 +99,7 @@ class InputBuilder:
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, (seq, _) in enumerate(rows) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logits_rows = list(step.logits_rows) + list(step.raw_rows)  # raw rows: scored, nothing drawn
+        logits_rows = step.logits_rows + step.raw_rows  # raw rows: scored, nothing drawn
         logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows))]
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
