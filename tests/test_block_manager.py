@@ -1,9 +1,9 @@
 """BlockManager unit tests: exact block ids, ref counts and prefix-cache hits (no model but in the last test)."""
 import torch
 
+from conftest import make_scheduler
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
-from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.sequence import Sequence
 from nanoserve.sampling_params import SamplingParams
 
@@ -135,7 +135,7 @@ def test_same_prefix_twice_in_one_prefill_batch(tiny_models):
     config = Config(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=10, max_num_batched_tokens=64,
                     max_model_len=64)
     bm = BlockManager(10, BS)
-    scheduler = Scheduler(config, bm)
+    scheduler = make_scheduler(config, bm)
     a, b, c = seq(0, range(10)), seq(1, [*range(8), 7, 7]), seq(2, [*range(8), 9])
     scheduler.add(a)
     scheduler.add(b)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.core import EngineCore
+from nanoserve.parallel.executor import parameter_shapes
 from nanoserve.parallel.pipeline import stage_layers
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -87,7 +88,7 @@ def test_pipeline_stages_equal_one_process_and_transformers(models, prompts, exp
 
     # Rank r is stage r // tp, and holds that stage's layers only (the KV cache too: one slot per own layer).
     num_layers = llm.engine.config.hf_config.num_hidden_layers
-    shapes = llm.engine.executor.call("parameter_shapes")
+    shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert len(shapes) == 2 * tp
     for rank, rank_shapes in enumerate(shapes):
         assert set(rank_shapes) == {n for n in names[arch] if on_stage(n, num_layers, rank // tp, 2)}, rank

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.parallel.executor import parameter_shapes
 
 N = 2
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -63,7 +64,7 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     config = llm.engine.config.hf_config
     q_heads, kv_heads = config.num_attention_heads // N, max(1, config.num_key_value_heads // N)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shapes = llm.engine.executor.call("parameter_shapes")
+    shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert len(shapes) == N
     for rank_shapes in shapes:
         assert rank_shapes.keys() == full_shapes.keys()
@@ -97,7 +98,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
 
     llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
     assert generate(llm, prompts)[0] == expected
-    shapes = llm.engine.executor.call("parameter_shapes")
+    shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert [rank["lm_head.weight"][0] for rank in shapes] == [(vocab_size + 1) // 2] * N
     # Logprobs of every token: the distribution is over the real vocabulary, no padding id in it.
     params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=vocab_size, seed=0)

@@ -5,7 +5,6 @@ import xxhash
 
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
-from nanoserve.utils.math import cdiv
 
 
 def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -62,7 +61,8 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def _allocate_new_block(self) -> int:
+    def allocate_block(self) -> int:
+        """A free block for new tokens: the least recently freed one (a cached block's hash is forgotten)."""
         block = self._take_free_block(self.free_block_ids[0])
         self._uncache(block, offload=True)  # it is about to hold other tokens (its KV may go down a tier)
         return block.block_id
@@ -121,19 +121,14 @@ class BlockManager:
             else:
                 self._take_free_block(block_id)
         for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
-            block = self.blocks[self._allocate_new_block()]
+            block = self.blocks[self.allocate_block()]
             block.hash, block.token_ids = block_hash, seq.block(i)
             self.hash_to_block_id[block_hash] = block.block_id
             self.seams.kv_cache_tier.load(block_hash, block.block_id)
             hit_ids.append(block.block_id)
-        seq.block_table = hit_ids + [self._allocate_new_block() for _ in range(seq.num_blocks - len(hit_ids))]
+        seq.block_table = hit_ids + [self.allocate_block() for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         return True
-
-    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The block copies to and from the second tier this step's allocations asked for (none without one)."""
-        tier = self.seams.kv_cache_tier
-        return ([], []) if tier is None else tier.take_copies()
 
     def uncache(self, block_ids: set[int]) -> None:
         """Take blocks out of the prefix cache: their KV is not what their hash says (a copy into them failed)."""
@@ -175,19 +170,22 @@ class BlockManager:
             # Copy-on-write: the partly filled last block is shared with a forked sibling, which must not
             # see these tokens. Write into a private copy; the siblings keep the original.
             src = seq.block_table[-1]
-            self._free([src])
-            seq.block_table[-1] = self._allocate_new_block()
+            self.free([src])
+            seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self._allocate_new_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+        seq.block_table += [self.allocate_block() for _ in range(seq.num_blocks - len(seq.block_table))]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child starts as a copy of parent: it shares all its blocks (one more reference each)."""
         child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
+        self.share(child.block_table)
+
+    def share(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
             self.blocks[block_id].ref_count += 1
 
-    def _free(self, block_ids: list[int]) -> None:
+    def free(self, block_ids: list[int]) -> None:
         # Free the tail first: the free queue evicts from the left, so shared prefixes live longest.
         for block_id in reversed(block_ids):
             block = self.blocks[block_id]
@@ -199,48 +197,13 @@ class BlockManager:
         """Give back seq's blocks past its first num_tokens tokens (speculative rollback: those that held only
         rejected lookahead tokens). Never hashed, they go to the front of the free queue, to be reused before
         any block the prefix cache can still hit."""
-        keep = cdiv(num_tokens, self.block_size)
+        keep = -(-num_tokens // self.block_size)  # ceiling division
         tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
         for block_id in tail:
             self.blocks[block_id].ref_count -= 1
         self.free_block_ids.extendleft(reversed([b for b in tail if self.blocks[b].ref_count == 0]))
 
     def deallocate(self, seq: Sequence) -> None:
-        self._free(seq.block_table)
+        self.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
-
-    # ---- swapping (preemption_mode="swap"): `host` is a second pool, of blocks in host memory ------
-    def swap_out(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
-        """Move the blocks of seqs (a request's sequences) to the host pool, which must have room; returns
-        the (device, host) block pairs whose KV the model runner copies. They keep num_computed_tokens."""
-        return move_blocks(seqs, self, host)
-
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
-        of several, each may need a copy of a shared last block)?"""
-        num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
-        return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.num_free_blocks
-
-    def swap_in(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
-        """Move the blocks of seqs back into fresh device blocks (call after can_swap_in); returns the (host,
-        device) block pairs to copy. Full blocks rejoin the prefix cache at once: the copies run before this
-        step's forward, so a prompt that hits them, in this step or later, reads their KV."""
-        mapping = move_blocks(seqs, host, self)
-        for seq in seqs:
-            self.hash_blocks(seq, 0, seq.num_computed_tokens)
-        return mapping
-
-
-def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
-    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared."""
-    mapping: dict[int, int] = {}
-    for seq in seqs:
-        for block_id in seq.block_table:
-            if block_id in mapping:
-                dst.blocks[mapping[block_id]].ref_count += 1
-            else:
-                mapping[block_id] = dst._allocate_new_block()
-        src._free(seq.block_table)
-        seq.block_table = [mapping[b] for b in seq.block_table]
-    return list(mapping.items())

@@ -152,11 +152,9 @@ class MultiprocExecutor(Executor):
         self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), closing)
 
     def submit(self, thread: ThreadPoolExecutor, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
-        """execute_model in the background (the batch queue's); the future gives the sampled ids. With pipeline
-        stages the launches run in `thread` and the finishes in a thread of their own, so that rank 0's stage
-        starts step N+1 while the later stages still run step N (its logits not back yet)."""
-        if self.receiver is None:
-            return thread.submit(self.execute_model, out, inputs)
+        """execute_model in the background for async scheduling's batch queue, with pipeline stages; the future
+        gives the sampled ids. The launches run in `thread` and the finishes in a thread of their own, so that
+        rank 0's stage starts step N+1 while the later stages still run step N (its logits not back yet)."""
         launched = thread.submit(self.launch, out, inputs)
         return self.receiver.submit(lambda: self.finish(out, *launched.result()))
 
@@ -194,3 +192,11 @@ class MultiprocExecutor(Executor):
                 self.shutdown()
                 raise RuntimeError(f"worker rank {rank} (pid {proc.pid}) exited with code "
                                    f"{proc.exitcode}: this LLM cannot run any more; create a new one")
+
+
+def parameter_shapes(runner: ModelRunner) -> list[dict[str, tuple[int, ...]]] | None:
+    """Every rank's parameter shapes, gathered on rank 0 (a debug call: `executor.call("apply", parameter_shapes)`)."""
+    shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+    gathered = [{} for _ in range(dist.get_world_size())] if runner.rank == 0 else None
+    dist.gather_object(shapes, gathered, dst=0)
+    return gathered
