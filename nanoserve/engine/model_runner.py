@@ -4,18 +4,14 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import Config
-from nanoserve.engine.cuda_graph import CUDAGraphs
-from nanoserve.engine.input_batch import InputBuilder, LogprobsPlace, ModelInput, to_device
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
+from nanoserve.engine.input_batch import LogprobsPlace, ModelInput, to_device
 from nanoserve.engine.seams import Seams
-from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
 from nanoserve.layers.elementwise_backend import use_elementwise_backend
 from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import load_model
 from nanoserve.outputs import Logprob
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.utils.math import cdiv
 from nanoserve.utils.memory import keep_freed_memory
 
 
@@ -106,34 +102,7 @@ class ModelRunner:
         """Size the pool from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves."""
         if self.device.type == "cpu":
             return int(self.config.cpu_kvcache_space * 2**30) // self._block_bytes()
-        # Warm up with the largest prefill the scheduler may send, on a temporary cache sized for it;
-        # counting that cache as activation memory errs on the safe side.
-        cfg = self.config
-        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
-        blocks_per_seq = cdiv(cfg.max_model_len, self.block_size)
-        torch.cuda.reset_peak_memory_stats()  # the peak must be this warm-up's, not an earlier engine's
-        self._allocate_kv_cache(num_seqs * blocks_per_seq)
-        greedy = SamplingParams(temperature=0.0)
-        seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
-        # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
-        num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        out = SchedulerOutput()
-        for i, seq in enumerate(seqs):
-            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            seq.num_computed_tokens = cfg.max_model_len - num_tokens
-            out.add(seq, num_tokens)
-        inputs = InputBuilder.from_config(cfg).prepare_inputs(out)
-        self.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
-        torch.cuda.synchronize()
-        del self.kv_cache
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        stats = torch.cuda.memory_stats()
-        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        available = total * cfg.gpu_memory_utilization - (total - free) - activations
-        return int(available) // self._block_bytes() - 1  # minus the scratch block
+        return profile_num_blocks(self)  # (engine/cuda_graph.py)
 
     # ---- one step: forward (every rank), sampling (rank 0) ---------------------------------------
     @torch.inference_mode()

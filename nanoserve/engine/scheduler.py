@@ -1,7 +1,7 @@
 """The scheduler: who runs in each step. nano-vllm's policy is `schedule()` read top to bottom: prefill first,
 then decode, LIFO preemption by recompute; vLLM V1's token budget joins it with enable_chunked_prefill, and a
-request's n sequences run together (V0's sequence group). `postprocess` takes a step's tokens in. The chapters
-in nanoserve/scheduling/ (swap, priority) subclass it; their overrides name what they change."""
+request's n sequences run together. `postprocess` takes a step's tokens in. The chapters in nanoserve/scheduling/
+(swap, priority) subclass it: their overrides name what they change."""
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
@@ -28,13 +28,18 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step."""
+        """Plan the next step. Once planned it counts as done (V1): a step planned before this one is back starts
+        where it ends (async scheduling), its sampled token a placeholder until then."""
         self.stats.num_steps += 1
         out = SchedulerOutput()
         self._plan(out)
         for after_schedule in self.seams.after_schedule:  # e.g. the host tier's copies join the plan
             after_schedule(out)
-        return self._commit(out)
+        self.stats.num_prefill_steps += out.is_prefill
+        for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
+            seq.num_computed_tokens += num_tokens
+            seq.num_output_placeholders += do_sample
+        return out
 
     def _plan(self, out: SchedulerOutput) -> None:
         if not self.enable_chunked_prefill:
@@ -56,18 +61,9 @@ class Scheduler:
             self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_after_running(self, out: SchedulerOutput, budget: int) -> None:
-        """Who joins the running requests' step: with chunked prefill, waiting prompts (the swap chapter: swapped
-        requests first)."""
+        """Who joins the running requests: with chunked prefill, waiting prompts (swap: swapped requests first)."""
         if self.enable_chunked_prefill:
             self._schedule_waiting(out, budget)
-
-    def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The plan counts as done (V1): a step planned before this one is back starts where it ends (async)."""
-        self.stats.num_prefill_steps += out.is_prefill
-        for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
-            seq.num_computed_tokens += num_tokens
-            seq.num_output_placeholders += do_sample
-        return out
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         """Admit waiting prompts in order. Without chunked prefill a prompt runs whole, so it must fit the budget
@@ -87,7 +83,7 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, budget, out)
 
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
-        """The first waiting sequence the admission seams let join (LoRA's max_loras), if it has seats."""
+        """The first waiting sequence the admits seams let join (LoRA's max_loras), if it has seats."""
         seq = next((s for s in self.waiting if all(admits(s, self, out) for admits in self.seams.admits)), None)
         return seq if seq is not None and num_seats(seq) <= self.num_free_seats() else None
 
@@ -147,9 +143,8 @@ class Scheduler:
     # ---- after the forward ----------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
         """Take in a step's sampled tokens, in batch order: one per sequence that samples, n for a prompt that forks,
-        1 + k for one that verified k lookahead tokens (the accept_lookahead seam takes those), none where the
-        request picks its own (raw_logits). Returns each sequence once per token it got; one that finished while
-        the step was in flight (async scheduling, an abort) drops its tokens."""
+        1 + k for one that verified k lookahead tokens, none where the request picks its own (raw_logits). Returns
+        each sequence once per token it got; one that finished while the step was in flight drops its tokens."""
         sampled = iter(token_ids)
         updated = []
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
