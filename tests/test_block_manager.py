@@ -254,7 +254,8 @@ def test_copy_on_write_needs_a_free_block():
     child.append_token(9)
     assert not bm.num_new_blocks(child) <= bm.num_free_blocks  # block 1 is shared and no block is free for the copy
     bm.deallocate(parent)
-    assert bm.num_new_blocks(child) <= bm.num_free_blocks and bm.may_append(child) == []  # child holds block 1 alone now
+    assert bm.num_new_blocks(child) <= bm.num_free_blocks
+    assert bm.may_append(child) == []  # child holds block 1 alone now
 
 
 def test_model_runner_copies_blocks_before_the_forward(tiny_models):
