@@ -187,7 +187,7 @@ def start_server(args: list[str], log: Path, env: dict | None = None) -> tuple[s
         process = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env or dict(os.environ),
                                    stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300  # (a bound only a hang reaches: a loaded 2-core machine took 166 s)
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:

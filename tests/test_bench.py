@@ -33,7 +33,7 @@ def config_only(tmp_path_factory) -> str:
 def run_bench(model: str, json_path: Path, *flags: str) -> dict:
     cmd = [sys.executable, "bench.py", "--model", model, "--random-weights", *TINY_WORKLOAD,
            "--json", str(json_path), *flags]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
     return json.loads(json_path.read_text())
 
 
@@ -70,7 +70,7 @@ def test_quick_workload_against_transformers(config_only, tmp_path):
     """--quick: its 16 prompts (on the tiny model: seconds), figures and the ratio against transformers."""
     cmd = [sys.executable, "bench.py", "--model", config_only, "--random-weights", "--quick",
            "--json", str(tmp_path / "bench.json")]
-    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True).stdout
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["scenario"] == "quick" and report["workload"]["num_prompts"] == 16
     assert report["workload"]["input_len"] == [32, 256] and report["workload"]["output_len"] == [32, 128]
@@ -88,7 +88,7 @@ def test_llama_cpp_peer(tmp_path):
     """llama.cpp on the demo model's GGUF: the same requests, the quantization reported."""
     cmd = [sys.executable, "bench.py", "--peer", "llama.cpp", "--num-prompts", "2", "--input-len", "4", "8",
            "--output-len", "2", "4", "--json", str(tmp_path / "bench.json")]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
     report = json.loads((tmp_path / "bench.json").read_text())
     llama = report["results"]["llama.cpp (Q4_1)"]
     assert llama["quantization"] == "Q4_1" and llama["output_tokens"] == report["workload"]["output_tokens"]

@@ -129,7 +129,7 @@ def test_failed_start_and_interpreter_exit_leave_no_process(models, tmp_path):
     script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N}, "
               "num_kvcache_blocks=64)\n"
               "print(llm.engine.executor.procs[0].pid, flush=True)\nraise SystemExit('boom')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 1 and "boom" in done.stderr
     pid = int(done.stdout.split()[-1])
