@@ -52,7 +52,7 @@ ISA_FLAGS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-
              "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}
 # Measured, -O3, AVX-512: one kernel alone 25-30 s on a 2-core AMD EPYC; both side by side (Config builds them so)
 # 31-37 s each on a 2-core Intel Xeon.
-BUILD_SECONDS = "25-40 s on 2 cores"
+BUILD_SECONDS = "25-40 s on 2 idle cores, longer on a busy machine"
 # How long to wait for another live process building the same kernel before giving up with a message.
 WAIT_FOR_OTHER_BUILD_S = 600.0
 # Written into the build folder after a build that loaded: the only sign nanoserve reads that a kernel is built.
