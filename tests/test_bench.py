@@ -79,6 +79,19 @@ def test_quick_workload_against_transformers(config_only, tmp_path):
     ratio = report["ratios"]["nanoserve auto / transformers"]
     assert ratio == pytest.approx(nano["tokens_per_s"] / hf["tokens_per_s"])
     assert "nanoserve auto / transformers:" in out
+    assert re.search(r"^bench: transformers: 16 prompts \(\d+ s in\)$", out, re.M)  # progress, phase by phase
+    assert re.search(r"^bench: nanoserve auto(?: with .*)?: 16 prompts \(\d+ s in\)$", out, re.M)
+
+
+def test_multi_turn_says_each_turn_as_it_goes(config_only, tmp_path):
+    """--multi-turn ran for minutes without a word: each turn of each pass now says so."""
+    cmd = [sys.executable, "bench.py", "--model", config_only, "--random-weights", "--multi-turn", "--num-prompts",
+           "8", "--turns", "2", "--input-len", "32", "48", "--output-len", "8", "16", "--json", str(tmp_path / "j")]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True).stdout
+    for label in ("host tier off", "host tier on"):
+        for turn in (1, 2):
+            assert re.search(rf"^bench: multi-turn, {label}: turn {turn} of 2, 8 conversations \(\d+ s in\)$",
+                             out, re.M), out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
