@@ -18,8 +18,9 @@ from nanoserve.utils.backends import build_cpu_kernels
 from nanoserve.utils.cpu_kernel import build_dir_for, load_cpu_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
-# A run that takes longer than this hangs: one build is 25-30 s on 2 idle cores; tests run beside other work.
-HANG_S = 300
+# A run that takes longer than this hangs: one build is 25-30 s on 2 idle cores; tests run beside other work (174 s
+# seen for both kernels at a load average of 6 on 2 cores).
+HANG_S = 600
 BUILD = "from nanoserve.utils.cpu_kernel import load_cpu_kernel; print(load_cpu_kernel('elementwise_cpu'))"
 needs_compiler = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -62,9 +63,12 @@ def test_a_live_builder_is_waited_for_with_a_message_then_a_timeout_that_says_wh
 
 
 @needs_compiler
-def test_a_build_killed_midway_then_a_normal_run_completes_with_a_message(tmp_path):
-    """SIGTERM during the compile leaves torch's lock file behind (no `finally` runs); the next run must see it is
-    stale, say so, build, and finish: before, it waited for that file to go away, silently, forever."""
+def test_a_build_killed_midway_then_a_real_build_then_a_load_that_compiles_nothing(tmp_path):
+    """SIGTERM during the compile leaves the folder without nanoserve's marker (no `finally` runs); the next run
+    must see the build is unfinished, say so, build, and finish: before, it waited for torch's lock file to go
+    away, silently, forever. Then the third process loads that build as is: with torch 2.14+, whose cpp_extension
+    leaves its FileLock file `lock` after every build, every run used to take it for a killed build and compile
+    again (a `lock` file is put there for torches that remove it, as 2.14+ leave it)."""
     env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path)}
     first = subprocess.Popen([sys.executable, "-c", BUILD], cwd=ROOT, env=env, start_new_session=True,
                              stdout=subprocess.PIPE, text=True)
@@ -83,30 +87,16 @@ def test_a_build_killed_midway_then_a_normal_run_completes_with_a_message(tmp_pa
                             timeout=HANG_S)
     assert second.returncode == 0, second.stderr
     assert "a build of elementwise_cpu was killed midway (it left " in second.stdout
+    assert "compiling the C++ CPU kernel elementwise_cpu" in second.stdout  # the real build, whole
     assert "built the CPU kernel elementwise_cpu in" in second.stdout
     assert "<module 'nanoserve_elementwise_cpu'" in second.stdout
-    assert (folder / cpu_kernel.MARKER).exists()
-
-
-@needs_compiler
-def test_a_built_kernel_loads_as_is_in_the_next_process_whatever_torch_left_in_its_folder(tmp_path):
-    """The real build, then a second process that loads it without compiling: with torch 2.14+, whose
-    cpp_extension leaves its FileLock file `lock` after every build, every run used to take it for a killed build
-    and compile again. A `lock` file is put there for torches that remove it (2.13), as 2.14+ leave it."""
-    env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path)}
-    first = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                           timeout=HANG_S)
-    assert first.returncode == 0, first.stderr
-    assert "compiling the C++ CPU kernel elementwise_cpu" in first.stdout
-    assert "<module 'nanoserve_elementwise_cpu'" in first.stdout
-    [folder] = tmp_path.glob("torch_extensions/elementwise_cpu-*")
     assert (folder / cpu_kernel.MARKER).read_text() == f"torch {torch.__version__}\n"
     (folder / "lock").touch()  # what torch 2.14+'s FileLock leaves behind
     built = {path.name: path.stat().st_mtime_ns for path in folder.iterdir()}
-    second = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=HANG_S)
-    assert second.returncode == 0, second.stderr
-    assert second.stdout.startswith("<module 'nanoserve_elementwise_cpu'")  # loaded without a word: no compile
+    third = subprocess.run([sys.executable, "-c", BUILD], cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=HANG_S)
+    assert third.returncode == 0, third.stderr
+    assert third.stdout.startswith("<module 'nanoserve_elementwise_cpu'")  # loaded without a word: no compile
     assert {path.name: path.stat().st_mtime_ns for path in folder.iterdir()} == built  # nothing rebuilt or removed
 
 

@@ -66,19 +66,19 @@ def default_model_dir() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_conversions(target.parent)
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=target.parent))
     print(f"nanoserve: converting the demo model {gguf.name} into {target}, once (about {CONVERSION_SECONDS} s "
           "on an idle machine)", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    try:
-        with sigterm_raises():
+    with sigterm_raises():  # (before the folder exists: a SIGTERM right after mkdtemp removes it too)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=target.parent))
+        try:
             convert_gguf(gguf, tmp)
             try:
                 tmp.rename(target)  # atomic: a killed conversion never leaves a half-written `target`
             except OSError:  # another process finished first; keep its copy
                 pass
-    finally:  # an error, Ctrl-C or SIGTERM midway: no half-written folder stays behind
-        shutil.rmtree(tmp, ignore_errors=True)
+        finally:  # an error, Ctrl-C or SIGTERM midway: no half-written folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"nanoserve: converted in {time.perf_counter() - start:.0f} s; later runs load it from there",
           file=sys.stderr, flush=True)
     return target
