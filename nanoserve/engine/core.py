@@ -24,12 +24,16 @@ class EngineCore:
         self.config = config
         self.seams = Seams() if seams is None else seams
         self.executor = (self.seams.executor_class or Executor)(config, self.seams)
-        self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-        self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors)
-        self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
-                                          config.enable_prefix_caching, self.seams)
-        self.scheduler = (self.seams.scheduler_class or Scheduler)(config, self.block_manager, self.seams)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
+        try:  # a failed start ends the executor's workers and process group now (parallel/executor.py)
+            self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
+            self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors)
+            self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
+                                              config.enable_prefix_caching, self.seams)
+            self.scheduler = (self.seams.scheduler_class or Scheduler)(config, self.block_manager, self.seams)
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self.requests: dict[str, Request] = {}
         self.seq_ids = count()
 
