@@ -9,10 +9,12 @@ from test_scheduling_random import next_token, random_case
 
 from nanoserve import LLM
 from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.persistent_batch import InputBatch
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.accounting import accept_run
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 BS, VOCAB, EOS = 4, 100, 2
 BUILDERS = ["plain", "persistent"]
@@ -127,6 +129,7 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
         p.presence_penalty, p.repetition_penalty = rng.choice([0.0, 0.0, 0.5]), rng.choice([1.0, 1.0, 1.2])
 
     kept, num_steps, drafts = builder("persistent", config.block_size), 0, seed % 2 == 1
+    scheduler.seams.accept_lookahead = accept_run  # speculative decoding's rollback, as its chapter plugs it in
     for t in range(10_000):
         while requests and requests[0][0] <= t:
             scheduler.add(requests.pop(0)[1])
