@@ -143,7 +143,9 @@ def test_each_rank_holds_its_share_of_a_slot():
     the ranks outnumber, whole on both; the partial products of a row-parallel layer's ranks sum to the whole's."""
     gen = torch.Generator().manual_seed(0)
     hidden, q, kv, r = 64, 64, 16, 4  # 4 query heads and 1 KV head of 16
-    rows = LoRARows(scaling=torch.full((5, 1), 0.5), weights=torch.full((5, 1), 0.5))  # 5 rows of the one slot
+    rows = LoRARows(5, 1, torch.device("cpu"), torch.float32)
+    rows.slot_scaling[0] = 0.5
+    rows.set(torch.zeros(5, dtype=torch.int64), "torch")  # 5 rows of the one slot
 
     def layer(base: torch.nn.Linear, rank: int, size: int, weights) -> LoRALinear:
         base.weight.data.zero_()

@@ -29,6 +29,7 @@ ROW_SLOTS = {"decode": torch.tensor([2, -1, 0]),
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROW_SLOTS)
 def test_triton_kernel_equals_the_pytorch_path(dtype, rows):
+    """Both of the kernel's ways, rows grouped by slot and a program per row (decode), on either set of rows."""
     gen = torch.Generator().manual_seed(0)
     config = CONFIGS["qwen3"]()
     default_dtype = torch.get_default_dtype()
@@ -38,23 +39,25 @@ def test_triton_kernel_equals_the_pytorch_path(dtype, rows):
             model = Qwen3ForCausalLM(config)
     finally:
         torch.set_default_dtype(default_dtype)
-    slots = LoRASlots(model, len(RANKS), max(RANKS), DEVICE, dtype)
+    slots = LoRASlots(model, len(RANKS), max(RANKS), DEVICE, dtype, max_rows=64)
     shapes = target_shapes(config)
     for slot, r in enumerate(RANKS):  # slot 1's adapter leaves v_proj and down_proj alone
         slots.load(slot, {(layer, target): (torch.randn(r, shapes[target][0], generator=gen) / shapes[target][0]**0.5,
                                             torch.randn(shapes[target][1], r, generator=gen) / r**0.5)
-                          for layer, target in slots.layers if slot != 1 or target not in ("v_proj", "down_proj")})
+                          for layer, target in slots.layers if slot != 1 or target not in ("v_proj", "down_proj")},
+                   SCALING[slot])
     row_slots = ROW_SLOTS[rows]
     base_rows = (row_slots < 0).to(DEVICE)
     for module in dict.fromkeys(module for (layer, _), (module, _) in slots.layers.items() if layer == 0):
         x = torch.randn(len(row_slots), module.base.in_features, generator=gen).to(DEVICE, dtype)
         outputs = []
-        for grouped in (False, True):
+        for grouped, decode in ((False, False), (True, False), (True, True)):
             slots.grouped = grouped
-            slots.set_rows(row_slots, SCALING)
+            slots.set_rows(row_slots, decode)
             outputs.append(module(x))
-        expected, got = outputs
+        expected, *kernels = outputs
         base = module.base(x)
         assert not torch.allclose(expected[~base_rows], base[~base_rows])  # the adapters change their rows
-        torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
-        assert torch.equal(got[base_rows], base[base_rows])  # and the kernel leaves the base rows be
+        for got in kernels:
+            torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
+            assert torch.equal(got[base_rows], base[base_rows])  # and the kernel leaves the base rows be
