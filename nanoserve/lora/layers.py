@@ -65,7 +65,7 @@ class LoRARows:
 class LoRALinear(nn.Module):
     """A linear layer of the base model (fused ones too: qkv_proj's parts are q, k, v) plus its LoRA slots.
     A [in, slots * parts * r] shrinks every row to every slot's rank-r space, all parts at once; the row's weights
-    keep its own slot, scaled; B [slots * r, outs] (a slot's r rows, its parts' columns side by side) expands each
+    keep its own slot, scaled; B [slots * r, out] (a slot's r rows, its parts' columns side by side) expands each
     part into its columns of the output (rows of other slots add zeros).
 
     With tensor parallelism the slots are cut as the base weight is (vLLM's and punica's split): a column-parallel

@@ -5,7 +5,7 @@ its own. A fused layer (qkv_proj: q, k, v) costs two launches, whatever its part
 - shrink: h = x A_slot, from the layer's input to the slot's rank-r space, every part at once (A holds a slot's
   parts side by side: [in, slots * parts * r]);
 - expand: y += h_part B_slot * scaling, each part's r values into its columns of the base layer's output, in
-  place; one program computes one part's column block (B holds a slot's parts side by side: [slots * r, outs]).
+  place; one program computes one part's column block (B holds a slot's parts side by side: [slots * r, out]).
 
 Two ways to find a program's rows and slot (lora_kernel's GROUPED):
 - grouped (prefill, mixed steps): the rows sorted by slot once per step (LoRARows.set: their indices, each slot's
