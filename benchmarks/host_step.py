@@ -9,6 +9,8 @@ phase, through the engine's public steps:
 - fake forward: `engine.executor.execute_model`, here a random token per sampling row (not the forward);
 - outputs: the rest of `engine.step()`: the tokens appended, stop checks, detokenization, the request outputs.
 
+Each phase in wall time and in the thread's CPU time: on a shared machine the CPU time is the steadier figure.
+
     python benchmarks/host_step.py                       # 256 sequences, 20 warm-up and 200 timed decode steps
     python benchmarks/host_step.py --num-seqs 64 --steps 100 --temperature 0.8
 """
@@ -19,7 +21,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from time import perf_counter
+from time import perf_counter, thread_time
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, like bench.py
 
@@ -48,18 +50,20 @@ def tiny_model(folder: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
 
 
-def timed(times: dict[str, list[float]], phase: str, fn):
-    """fn, its seconds appended to times[phase] on each call."""
+def timed(times: dict[str, list[tuple[float, float]]], phase: str, fn):
+    """fn, its (wall, CPU) seconds appended to times[phase] on each call. The thread's CPU time leaves out the
+    time other processes of a shared machine held the core: the host work itself (torch runs on one thread)."""
     def wrapper(*args, **kwargs):
-        start = perf_counter()
+        start = perf_counter(), thread_time()
         result = fn(*args, **kwargs)
-        times[phase].append(perf_counter() - start)
+        times[phase].append((perf_counter() - start[0], thread_time() - start[1]))
         return result
     return wrapper
 
 
-def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: int = 0) -> dict[str, list[float]]:
-    """Seconds per decode step and phase: prompts of 32-512 random tokens (bench.py's default workload) are
+def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: int = 0
+            ) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds per decode step and phase: prompts of 32-512 random tokens (bench.py's default workload) are
     prefilled first (untimed), then every step decodes num_seqs sequences, one token each."""
     rng = random.Random(seed)
     with tempfile.TemporaryDirectory(prefix="nanoserve-host-step-") as tmp:
@@ -77,7 +81,7 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: in
     def fake_forward(out, inputs) -> torch.Tensor:  # a token per sampling row, no model
         return torch.randint(3, vocab, (0 if inputs is None else len(inputs.sample_seq_ids),))
 
-    times: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "step")}
+    times: dict[str, list[tuple[float, float]]] = {phase: [] for phase in (*PHASES, "step")}
     plans = []
     schedule = engine.scheduler.schedule
     engine.scheduler.schedule = timed(times, "schedule", lambda: plans.append(schedule()) or plans[-1])
@@ -91,14 +95,14 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: in
         engine.step()
     for phase in times:
         times[phase].clear()
+    step = timed(times, "step", engine.step)
     for _ in range(warmup + steps):
-        start = perf_counter()
-        engine.step()
-        times["step"].append(perf_counter() - start)
+        step()
         if not decoding(plans[-1]):
             raise RuntimeError("a timed step was not a decode of every sequence")
     times = {phase: t[warmup:] for phase, t in times.items()}
-    times["outputs"] = [step - sum(times[phase][i] for phase in PHASES[:3]) for i, step in enumerate(times["step"])]
+    times["outputs"] = [tuple(t - sum(times[phase][i][k] for phase in PHASES[:3]) for k, t in enumerate(step))
+                        for i, step in enumerate(times["step"])]
     return times
 
 
@@ -114,10 +118,13 @@ def main() -> None:
     times = measure(args.num_seqs, args.steps, args.warmup, args.temperature)
     print(f"host time per decode step, {args.num_seqs} sequences, {args.steps} steps, forward excluded "
           f"(temperature {args.temperature}):")
+    print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'CPU median':>11s} {'CPU p90':>9s}")
     for phase in (*PHASES, "step"):
-        t = sorted(times[phase])
-        print(f"  {phase + ':':14s} median {1e3 * statistics.median(t):6.3f} ms, "
-              f"p90 {1e3 * t[int(0.9 * (len(t) - 1))]:6.3f} ms")
+        line = f"  {phase:14s}"
+        for kind in range(2):  # wall, then CPU
+            t = sorted(step[kind] for step in times[phase])
+            line += f" {1e3 * statistics.median(t):11.3f} {1e3 * t[int(0.9 * (len(t) - 1))]:9.3f}"
+        print(line)
 
 
 if __name__ == "__main__":
