@@ -162,8 +162,11 @@ def test_the_step_rows_live_in_static_buffers_a_cuda_graph_replays():
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(8, layers[0].base.in_features, generator=gen).to(DEVICE)
     for grouped, decode in ((False, False), (True, False), (True, True)):
+        slots.grouped = False
+        slots.set_rows(torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))  # a larger step first, on the PyTorch path
+        slots.grouped = True
+        slots.set_rows(torch.tensor([1, 1, 1]))  # a kernel's step between
         slots.grouped = grouped
-        slots.set_rows(torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]), decode)  # a larger step first
         slots.set_rows(torch.tensor([2, -1, 0]), decode)  # then 3 rows in a graph of 8
         assert slots.rows.slots.tolist() == [2, -1, 0] + [-1] * 13
         y = layers[0](x)

@@ -36,6 +36,7 @@ class LoRARows:
         self.counts = torch.zeros(max_loras, dtype=torch.int64, device=device)
         self.slot_ids = torch.arange(max_loras, device=device)
         self.num_rows = 0  # rows set by the last step: those past the next step's are reset to -1
+        self.weight_rows = 0  # rows of weights the PyTorch path last wrote (past them: zeros)
         self.active = False  # whether the layers add LoRA at all (False: a step of base rows runs the base model)
         self.path = "torch"  # "torch", or the Triton kernel's "grouped" or "decode" way (triton_lora.py)
 
@@ -53,7 +54,9 @@ class LoRARows:
         self.slots[n:end].fill_(-1)
         self.num_rows, self.active, self.path = n, n > 0, path
         if path == "torch":
+            end = max(n, self.weight_rows)
             torch.mul(self.slots[:end, None] == self.slot_ids, self.slot_scaling, out=self.weights[:end])
+            self.weight_rows = n
         elif path == "grouped" and n:
             slots = self.slots[:n]
             self.order[:n] = torch.argsort(slots, stable=True)  # base rows (-1) first
