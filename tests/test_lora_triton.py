@@ -187,7 +187,10 @@ def test_cuda_graphs_are_captured_again_with_the_lora_kernels(monkeypatch):
     class Graphs:  # CUDAGraphs' stand-in: a CPU has none to capture
         def __init__(self, model, config, scratch_slot):
             rows = model.lora_slots.rows
-            seen.append((rows.active, rows.path, rows.slots.max().item(), scratch_slot))
+            qkv = model.model.layers[0].self_attn.qkv_proj  # a forward as captured: the kernel, on base rows alone
+            x = torch.randn(4, qkv.base.in_features)
+            seen.append((rows.active, rows.path, rows.slots.max().item(), scratch_slot,
+                         torch.equal(qkv(x), qkv.base(x))))
 
     monkeypatch.setattr(layers_module, "CUDAGraphs", Graphs)
     config = CONFIGS["qwen3"]()
@@ -198,6 +201,13 @@ def test_cuda_graphs_are_captured_again_with_the_lora_kernels(monkeypatch):
     layers_module.add_lora_slots(runner, 2, 4)
     assert seen == [] and runner.cuda_graphs is None  # eager: nothing to capture
     runner.model, runner.cuda_graphs = Qwen3ForCausalLM(config), "the base model's graphs"
+
+    class TritonSlots(LoRASlots):  # the Triton path, as on CUDA
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.grouped = True
+
+    monkeypatch.setattr(layers_module, "LoRASlots", TritonSlots)
     layers_module.add_lora_slots(runner, 2, 4)
-    assert seen == [(True, "decode", -1, 7)] and isinstance(runner.cuda_graphs, Graphs)
+    assert seen == [(True, "decode", -1, 7, True)] and isinstance(runner.cuda_graphs, Graphs)
     assert not runner.model.lora_slots.rows.active

@@ -167,7 +167,7 @@ class LoRASlots:
         """Capture the runner's CUDA graphs again, now with LoRA's decode kernels in every one, reading the row
         buffers: a replay runs whatever adapters the step copied in (rows of none: every program returns at once)."""
         runner.cuda_graphs = None  # (its memory back first)
-        self.rows.set(None, "decode")
+        self.rows.set(None, "decode" if self.grouped else "torch")
         self.rows.active = True
         try:
             runner.cuda_graphs = CUDAGraphs(runner.model, runner.config, runner.scratch_slot)
