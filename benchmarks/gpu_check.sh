@@ -8,8 +8,9 @@
 # Every part has a time limit (`timeout`), cut to what is left of 285 s: one that runs past it is named in the
 # summary, and the rest still run; the parts come in the order of what matters most.
 # 1. the CUDA tests, 4 pytest-xdist workers: greedy float32 equal to transformers under every option
-#    (tests/test_cuda.py), the Triton kernels natively (attention, elementwise, the fp8 KV cache, LoRA's); beside
-#    them, on the CPU, the host time per decode step at 256 sequences (benchmarks/host_step.py);
+#    (tests/test_cuda.py; the pool sized from free memory alone, after), the Triton kernels natively (attention,
+#    elementwise, the fp8 KV cache, LoRA's); beside them, on the CPU, the host time per decode step at 256
+#    sequences (benchmarks/host_step.py);
 # 2. nano-vllm's workload (256 requests, 100-1024 tokens in and out, Qwen3-0.6B's shapes): async scheduling with
 #    the KV cache in bfloat16 then fp8, back to back; then synchronous;
 # 3. LoRA: 128 requests of the same shapes with shorter answers, the base model, 4 adapters, 1 merged (async);
@@ -47,10 +48,12 @@ part() {  # part NAME SECONDS COMMAND...: run it under a time limit, its output 
 
 workload=(--nano-vllm --model benchmarks/qwen3-0.6b --random-weights --peer none)
 part host_step 110 python benchmarks/host_step.py &  # CPU only: beside the tests, not beside a timed GPU run
-part tests 110 python -m pytest -n 4 -q -x tests/test_cuda.py tests/test_triton_attention.py \
+part tests 100 python -m pytest -n 4 -q -x tests/test_cuda.py tests/test_triton_attention.py \
     tests/test_triton_elementwise.py tests/test_kv_cache_fp8.py tests/test_lora_triton.py \
-    "tests/test_lora.py::test_the_triton_kernel_in_the_engine_equals_peft"
+    "tests/test_lora.py::test_the_triton_kernel_in_the_engine_equals_peft" -k "not pool-from-memory"
 wait
+# Alone: it sizes the pool from the GPU's free memory, which the other workers' engines would be holding.
+part tests_pool_from_memory 30 python -m pytest -q -x tests/test_cuda.py -k pool-from-memory
 part async 60 python bench.py "${workload[@]}" --async-scheduling --kv-cache-dtype auto,fp8 --json "$out/async.json"
 part sync 40 python bench.py "${workload[@]}" --json "$out/sync.json"
 part lora 50 python bench.py "${workload[@]}" --async-scheduling --num-prompts 128 --output-len 64 128 --lora 4 \
