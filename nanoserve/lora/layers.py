@@ -38,7 +38,7 @@ class LoRARows:
         self.num_rows = 0  # rows set by the last step: those past the next step's are reset to -1
         self.weight_rows = 0  # rows of weights the PyTorch path last wrote (past them: zeros)
         self.active = False  # whether the layers add LoRA at all (False: a step of base rows runs the base model)
-        self.path = "torch"  # "torch", or the Triton kernel's "grouped" or "decode" way (triton_lora.py)
+        self.path = "torch"  # "torch", or the Triton kernel's: "grouped", or "decode" (one row a sequence)
 
     def set(self, row_slots: torch.Tensor | None, path: str) -> None:
         """The next forward's rows: each one's slot (-1: the base model), a host tensor; None: no row uses an
@@ -57,7 +57,7 @@ class LoRARows:
             end = max(n, self.weight_rows)
             torch.mul(self.slots[:end, None] == self.slot_ids, self.slot_scaling, out=self.weights[:end])
             self.weight_rows = n
-        elif path == "grouped" and n:
+        elif n:  # the kernel's: grouped for any step, also a decode (a graph of more than DECODE_ROWS rows)
             slots = self.slots[:n]
             self.order[:n] = torch.argsort(slots, stable=True)  # base rows (-1) first
             torch.sum(slots == self.slot_ids[:, None], 1, out=self.counts)

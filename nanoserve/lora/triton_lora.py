@@ -8,9 +8,10 @@ its own. A fused layer (qkv_proj: q, k, v) costs two launches, whatever its part
   place; one program computes one part's column block (B holds a slot's parts side by side: [slots * r, out]).
 
 Two ways to find a program's rows and slot (lora_kernel's GROUPED):
-- grouped (prefill, mixed steps): the rows sorted by slot once per step (LoRARows.set: their indices, each slot's
-  start and count), a program multiplies a tile of BLOCK_M rows of one slot by its weights with tl.dot;
-- decode (one row per sequence, and every CUDA graph): a program per row reads the row's own slot, no sorting.
+- grouped: the rows sorted by slot once per step (LoRARows.set: their indices, each slot's start and count), a
+  program multiplies a tile of BLOCK_M rows of one slot by its weights with tl.dot;
+- decode (one row per sequence, at most DECODE_ROWS rows): a program per row reads the row's own slot and
+  multiplies it alone: no idle tile rows, no group to find.
 
 Base-model rows (slot -1) are in no group and their decode programs return at once, so a CUDA graph captured
 with LoRA on costs a base step almost nothing. Only shapes decide a launch, and the kernel reads the rows and the
@@ -23,6 +24,9 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16  # rows per grouped program (tl.dot's minimum on a GPU)
+# A decode of at most this many rows takes a program per row; a larger one is grouped too: a program per row reads
+# its slot's weights once a row, a tile once per BLOCK_M rows (unmeasured on a GPU yet).
+DECODE_ROWS = 16
 
 
 @triton.jit
@@ -76,7 +80,7 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cols: torch.Tens
     """One shrink or expand over the step's rows (rows: LoRARows, its static buffers); max_n: the widest part."""
     num_parts, k = cols.shape[0] - 1, (x.shape[1] // (cols.shape[0] - 1) if expand else x.shape[1])
     block_n, block_k = (max(16, min(64, triton.next_power_of_2(size))) for size in (max_n, k))
-    grouped = rows.path == "grouped"
+    grouped = rows.path == "grouped" or x.shape[0] > DECODE_ROWS  # (shapes alone decide: graphs capture it)
     grid = ((triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(max_n, block_n), rows.counts.shape[0] * num_parts)
             if grouped else (x.shape[0], triton.cdiv(max_n, block_n), num_parts))
     lora_kernel[grid](x, w, out, cols, rows.order, rows.starts, rows.counts, rows.slots, rows.slot_scaling, k,
