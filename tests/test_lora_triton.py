@@ -175,6 +175,11 @@ def test_the_step_rows_live_in_static_buffers_a_cuda_graph_replays():
         y = layers[0](x)
         torch.testing.assert_close(y[:3], layers[0](x[:3]))  # the step's rows, as without padding
         assert torch.equal(y[3:], layers[0].base(x)[3:])  # the padding: the base model
+    slots.grouped = True
+    slots.set_rows(torch.tensor([0, 1, 2, 0, 1, 2, 0, 1]))  # adapter rows, grouped
+    slots.set_rows(None)  # then a step of base rows, which a graph captured with LoRA on replays:
+    slots.rows.active = True  # its kernels run (as captured), with no row to change
+    assert torch.equal(layers[0](x), layers[0].base(x))
     with pytest.raises(ValueError, match="a step of 17 rows exceeds LoRA's 16"):
         slots.set_rows(torch.zeros(17, dtype=torch.int64))
     assert buffers == {name: getattr(slots.rows, name).data_ptr() for name in buffers}

@@ -63,6 +63,8 @@ class LoRARows:
             torch.sum(slots == self.slot_ids[:, None], 1, out=self.counts)
             torch.sub(torch.cumsum(self.counts, 0), self.counts, out=self.starts)
             self.starts += (slots < 0).sum()
+        else:  # no adapter row: every group empty (a graph captured grouped replays this step too)
+            self.counts.zero_()
 
 
 class LoRALinear(nn.Module):
