@@ -97,6 +97,7 @@ class Config:
     max_loras: int = 1  # adapters one step may use: their A and B weights sit in as many slots on the device
     max_lora_rank: int = 16  # the largest rank an adapter may have (the slots' size)
     max_cpu_loras: int | None = None  # adapters kept read in host memory, least recently used evicted; None: max_loras
+    disable_sliding_window: bool = False  # vLLM's flag: full attention everywhere, max_model_len capped at the window
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -112,6 +113,11 @@ class Config:
             raise ValueError(f"model: {self.model!r} is not a model folder (no config.json found in it)")
         self.hf_config = AutoConfig.from_pretrained(self.model)
         self.max_model_len = min(self.max_model_len, self.hf_config.max_position_embeddings)
+        window = getattr(self.hf_config, "sliding_window", None)
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise ValueError(f"sliding_window (the model's config.json) must be an integer >= 1, got {window!r}")
+        if window is not None and self.disable_sliding_window:  # then attention sees the window's tokens at most
+            self.max_model_len, self.hf_config.sliding_window = min(self.max_model_len, window), None
         eos = self.hf_config.eos_token_id
         if os.path.isfile(os.path.join(self.model, "generation_config.json")):
             eos = GenerationConfig.from_pretrained(self.model).eos_token_id or eos  # what HF generate stops on

@@ -24,6 +24,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     torch_plan: "TorchAttentionPlan | None" = None  # the PyTorch path's split of the batch: built by layer 0
+    torch_window_plan: "TorchAttentionPlan | None" = None  # the same for the sliding-window layers, if any
 
 
 FP8_MAX = 448.0  # the largest finite float8 e4m3 value
@@ -64,10 +65,11 @@ class TorchAttentionPlan:
     v_scratch: torch.Tensor
 
 
-def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> TorchAttentionPlan:
+def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor, window: int = 0) -> TorchAttentionPlan:
     """A sequence with one new token (a decode) joins a group of sequences of similar context length:
     sorted by length, so padding a group to its longest wastes little. A sequence with several new tokens
-    (a prefill) gets its own causal SDPA call over exactly its context."""
+    (a prefill) gets its own causal SDPA call over exactly its context. window > 0: each token also sees only
+    the last `window` positions, itself included (sliding-window attention, as transformers' mask)."""
     dev, block_size = meta.block_tables.device, k_cache.shape[1]
     starts, q_lens = meta.cu_seqlens_q[:-1].tolist(), meta.cu_seqlens_q.diff().tolist()
     context_lens = meta.context_lens.tolist()
@@ -80,14 +82,18 @@ def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> Torc
         seqs, decodes = decodes[:n], decodes[n:]
         num_blocks = -(-context_lens[seqs[-1]] // block_size)  # (ceiling division)
         block_ids = meta.block_tables[seqs, :num_blocks].flatten().clamp(min=0)  # -1 padding: masked out
-        mask = torch.arange(num_blocks * block_size, device=dev) < meta.context_lens[seqs, None]
+        positions, context = torch.arange(num_blocks * block_size, device=dev), meta.context_lens[seqs, None]
+        mask = (positions < context) & (positions >= context - window if window else True)
         rows = torch.tensor([starts[i] for i in seqs], device=dev)  # each sequence's row in the flat batch
         plan.decode_groups.append((rows, block_ids, mask[:, None, None, :]))
     for i, (start, q_len, context_len) in enumerate(zip(starts, q_lens, context_lens)):
         if q_len > 1:
             # Causal, aligned bottom-right: the new tokens come after context_len - q_len cached ones.
-            mask = None if q_len == context_len else torch.ones(
+            windowed = window and context_len > window  # some key lies `window` or more positions back
+            mask = None if q_len == context_len and not windowed else torch.ones(
                 q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len)
+            if windowed:
+                mask = mask.triu(context_len - q_len - window + 1)
             block_ids = meta.block_tables[i, : -(-context_len // block_size)]
             plan.prefills.append((start, start + q_len, block_ids, context_len, mask))
     max_blocks = max((len(block_ids) for _, block_ids, _ in plan.decode_groups), default=0)
@@ -96,12 +102,13 @@ def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> Torc
 
 
 def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                          meta: AttentionMetadata, scale: float, window: int = 0) -> torch.Tensor:
     """Pure-PyTorch paged attention: copy each sequence's KV blocks out of the cache, then run SDPA on them.
     An fp8 cache's copies are converted to q's dtype (.to() is a no-op otherwise)."""
-    if meta.torch_plan is None:
-        meta.torch_plan = plan_torch_attention(meta, k_cache)
-    plan, (kv_heads, head_dim) = meta.torch_plan, k_cache.shape[2:]
+    name = "torch_window_plan" if window else "torch_plan"
+    if getattr(meta, name) is None:
+        setattr(meta, name, plan_torch_attention(meta, k_cache, window))
+    plan, (kv_heads, head_dim) = getattr(meta, name), k_cache.shape[2:]
     out = torch.empty_like(q)
     for rows, block_ids, mask in plan.decode_groups:
         # [n, kv_heads, padded context, head_dim]; index_select copies whole blocks into the step's scratch.
@@ -131,9 +138,9 @@ def cpu_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v
 
 
 def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-                        scale: float) -> torch.Tensor:
+                        scale: float, window: int = 0) -> torch.Tensor:
     return load_cpu_kernel("paged_attention_cpu").paged_attention(
-        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, scale)
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, scale, window)
 
 
 def attention_backend(name: str) -> tuple[Callable, Callable]:
@@ -148,15 +155,17 @@ def attention_backend(name: str) -> tuple[Callable, Callable]:
 
 
 class Attention(nn.Module):
-    """Stores new K/V into the paged cache, then attends over each sequence's whole context."""
+    """Stores new K/V into the paged cache, then attends over each sequence's whole context, or over its last
+    sliding_window positions (0: all; docs/sliding_window.md)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.sliding_window = sliding_window
         # Bound by the ModelRunner once it has sized the KV cache, with the backend's functions.
         self.k_cache = self.v_cache = torch.tensor([])
         self.store, self.impl = store_kvcache, torch_paged_attention
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         self.store(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-        return self.impl(q, self.k_cache, self.v_cache, meta, self.scale)
+        return self.impl(q, self.k_cache, self.v_cache, meta, self.scale, self.sliding_window)

@@ -56,6 +56,7 @@ def triton_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor
 def paged_attention_kernel(
     out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, context_lens_ptr, cu_seqlens_q_ptr,
     scale_log2e, stride_qt, stride_qh, stride_ot, stride_oh, stride_slot, stride_kvh, stride_bt,
+    window,  # > 0: each token sees only the last `window` positions (sliding-window attention); 0: all
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block (a power of two)
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,  # query heads per KV head (GQA), and rounded up to a power of 2
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -94,7 +95,9 @@ def paged_attention_kernel(
     acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
     # Keys after this program's last query position are masked for every row: don't even load them.
     num_keys = tl.minimum(context_len, context_len - q_len + (q_block + 1) * BLOCK_Q)
-    for start in range(0, num_keys, BLOCK_N):
+    # With a window, keys before the first row's window are masked for every row too: start at its tile.
+    first_key = tl.where(window > 0, tl.maximum(context_len - q_len + q_block * BLOCK_Q - window + 1, 0), 0)
+    for start in range(first_key // BLOCK_N * BLOCK_N, num_keys, BLOCK_N):
         key = start + tl.arange(0, BLOCK_N)  # positions in the sequence
         # Paging: position p lives in block block_table[p // BLOCK_SIZE] at offset p % BLOCK_SIZE, the same
         # arithmetic that built slot_mapping. A tile may span several blocks, scattered anywhere in the cache.
@@ -107,10 +110,14 @@ def paged_attention_kernel(
         v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         # Scores in base 2 (exp2 is the GPU's native exponential): s * log2(e) * scale.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
-        s = tl.where(key[None, :] <= pos[:, None], s, float("-inf"))  # causal mask (also hides key >= num_keys)
+        visible = (key[None, :] <= pos[:, None]) & ((key[None, :] > pos[:, None] - window) | (window == 0))
+        s = tl.where(visible, s, float("-inf"))  # causal (and window) mask; also hides key >= num_keys
+        # A row may see no key of a tile yet (its window starts later): its max stays -inf, and exp2(-inf - -inf)
+        # would be NaN, so such a row subtracts 0 instead (its terms are exp2(-inf) = 0).
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)  # rescales what was accumulated under the old max
-        p = tl.exp2(s - m_new[:, None])
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)  # rescales what was accumulated under the old max
+        p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
@@ -126,8 +133,8 @@ def paged_attention_kernel(
 BLOCK_N = {1: 128, 2: 64, 4: 64}
 
 
-def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
-                           ) -> torch.Tensor:
+def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
+                           window: int = 0) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
 
     Only shapes and Python ints decide the launch: nothing waits for the GPU, so CUDA graphs can capture it.
@@ -146,7 +153,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     paged_attention_kernel[grid](
         out, q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q,
         scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+        k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), window,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
         HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=BLOCK_N[k_cache.element_size()],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",

@@ -1,6 +1,7 @@
-"""Qwen3, and through two switches Qwen2 and Llama: the three differ only in their attention.
+"""Qwen3, and through two switches Qwen2 and Llama (and Mistral): they differ only in their attention.
 
-Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither.
+Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither; Mistral is Llama
+whose layers attend to a sliding window (as may Qwen2's: sliding_windows).
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -40,7 +41,16 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": Variant(qk_norm=True),
     "Qwen2ForCausalLM": Variant(qkv_bias=True),
     "LlamaForCausalLM": Variant(),
+    "MistralForCausalLM": Variant(),
 }
+
+
+def sliding_windows(config: PretrainedConfig) -> list[int]:
+    """Each layer's attention window (0: the whole context), as transformers 5 decides: config.sliding_window for
+    the layers its layer_types calls "sliding_attention" (Qwen2: those from max_window_layers on), or for all."""
+    window, n = getattr(config, "sliding_window", None), config.num_hidden_layers
+    types = getattr(config, "layer_types", None) or ["sliding_attention"] * n
+    return [window if window is not None and t == "sliding_attention" else 0 for t in types]
 
 
 def rope_theta(config: PretrainedConfig) -> float:
@@ -53,7 +63,7 @@ def rope_theta(config: PretrainedConfig) -> float:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding, window: int = 0):
         super().__init__()
         tp_size = tp_rank_size()[1]  # tensor parallelism: each rank computes its share of the heads
         self.num_heads = config.num_attention_heads // tp_size
@@ -65,7 +75,7 @@ class DecoderAttention(nn.Module):
                                                    bias=bias if variant.qkv_bias is None else variant.qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias and variant.qkv_bias is None)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
         self.qk_norm = variant.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -96,9 +106,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding, window: int = 0):
         super().__init__()
-        self.self_attn = DecoderAttention(config, variant, rotary_emb)
+        self.self_attn = DecoderAttention(config, variant, rotary_emb, window)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -120,8 +130,8 @@ class Model(nn.Module):
         self.embed_tokens = part("embed_tokens", lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
-        self.layers = nn.ModuleList([part(f"layers.{i}", lambda: DecoderLayer(config, variant, rotary_emb))
-                                     for i in range(config.num_hidden_layers)])
+        self.layers = nn.ModuleList([part(f"layers.{i}", lambda w=window: DecoderLayer(config, variant, rotary_emb, w))
+                                     for i, window in enumerate(sliding_windows(config))])
         self.norm = part("norm", lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -141,8 +151,6 @@ class Qwen3ForCausalLM(nn.Module):
     def __init__(self, config: PretrainedConfig, variant: Variant = ARCHITECTURES["Qwen3ForCausalLM"],
                  part: Part = build_all):
         super().__init__()
-        if getattr(config, "use_sliding_window", False):
-            raise ValueError("use_sliding_window=True is not supported")
         self.model = Model(config, variant, part)
         self.lm_head = part("lm_head", lambda: ParallelLMHead(config.vocab_size, config.hidden_size))
         if config.tie_word_embeddings:  # small models share the input and output embedding

@@ -101,10 +101,11 @@ void store_kvcache(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torc
 
 // q: [num_tokens, num_heads, head_dim], the batch's new tokens, sequence after sequence; block_tables:
 // [num_seqs, max_blocks] (int32); context_lens: [num_seqs] (int32); cu_seqlens_q: [num_seqs + 1] (int32).
-// Returns softmax(q k^T * scale) v over each token's causal context, [num_tokens, num_heads, head_dim].
+// Returns softmax(q k^T * scale) v over each token's causal context, [num_tokens, num_heads, head_dim]; with
+// window > 0 over its last `window` positions only (sliding-window attention; the blocks before them are not read).
 torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
                               torch::Tensor block_tables, torch::Tensor context_lens, torch::Tensor cu_seqlens_q,
-                              double scale) {
+                              double scale, int64_t window) {
   q = q.contiguous(), block_tables = block_tables.contiguous();
   const int64_t num_heads = q.size(1), head_dim = q.size(2), block_size = k_cache.size(1),
                 num_kv_heads = k_cache.size(2), group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
@@ -124,22 +125,24 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
     for (int64_t t = cu_q[s]; t < cu_q[s + 1]; t += tile) items.emplace_back(s, t);
 
   auto attend = [&](int64_t s, int64_t t0, std::vector<float>& scores, std::vector<int64_t>& visible,
-                    std::vector<float>& buffer) {
+                    std::vector<int64_t>& first, std::vector<float>& buffer) {
     const int64_t t1 = std::min<int64_t>(t0 + tile, cu_q[s + 1]), rows = (t1 - t0) * group;
     // Causal, aligned bottom-right: new token t (counted in the batch) sits at position first_pos + t.
     const int64_t first_pos = ctx[s] - (cu_q[s + 1] - cu_q[s]) - cu_q[s];
     const int64_t num_blocks = (first_pos + t1 + block_size - 1) / block_size, width = num_blocks * block_size;
     const int* table = tables + s * max_blocks;
     scores.resize(rows * width);
-    visible.resize(rows);
+    visible.resize(rows), first.resize(rows);
     // Row r is new token t0 + r / group and query head h * group + r % group: the heads that share KV head h
     // are rows of one pass over its keys, so each key is read once for all of them (grouped-query attention).
     for (int64_t r = 0; r < rows; r++) visible[r] = first_pos + t0 + r / group + 1;
+    for (int64_t r = 0; r < rows; r++) first[r] = window > 0 ? std::max<int64_t>(0, visible[r] - window) : 0;
+    const int64_t first_block = first[0] / block_size;  // row 0 sees the earliest keys: blocks before are skipped
     auto row = [&](int64_t r) { return (r / group) * num_heads * head_dim + (r % group) * head_dim; };
     for (int64_t h = 0; h < num_kv_heads; h++) {
       const float* q_rows = qp + (t0 * num_heads + h * group) * head_dim;
       float* out_rows = op + (t0 * num_heads + h * group) * head_dim;
-      for (int64_t b = 0; b < num_blocks; b++) {  // 1. scores = q . k * scale, block by block
+      for (int64_t b = first_block; b < num_blocks; b++) {  // 1. scores = q . k * scale, block by block
         const float* k = read_floats(kp, fp8, table[b] * block_stride + h * head_stride, head_stride, buffer.data());
         if (b + 1 < num_blocks)
           prefetch(kp + (table[b + 1] * block_stride + h * head_stride) * itemsize, head_stride * itemsize);
@@ -158,16 +161,18 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
           }
         }
       }
-      for (int64_t r = 0; r < rows; r++) {  // 2. softmax over each row's visible keys, in place; 0 past them
+      for (int64_t r = 0; r < rows; r++) {  // 2. softmax over each row's visible keys, in place; 0 elsewhere
         float* p = scores.data() + r * width;
-        const int64_t n = visible[r];
+        std::fill(p, p + first[r], 0.f);
+        p += first[r];
+        const int64_t n = visible[r] - first[r];
         const float max = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, p, n);
         at::vec::map([max](Vec x) { return (x - Vec(max)).exp_u20(); }, p, p, n);
         const float sum = at::vec::reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, p, n);
         at::vec::map([sum](Vec x) { return x / Vec(sum); }, p, p, n);
-        std::fill(p + n, p + width, 0.f);
+        std::fill(p + n, scores.data() + (r + 1) * width, 0.f);
       }
-      for (int64_t b = 0; b < num_blocks; b++) {  // 3. out = p . v, block by block
+      for (int64_t b = first_block; b < num_blocks; b++) {  // 3. out = p . v, block by block
         const float* v = read_floats(vp, fp8, table[b] * block_stride + h * head_stride, head_stride, buffer.data());
         if (b + 1 < num_blocks)
           prefetch(vp + (table[b + 1] * block_stride + h * head_stride) * itemsize, head_stride * itemsize);
@@ -198,9 +203,9 @@ torch::Tensor paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Ten
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, buffer(fp8 ? head_stride : 0);  // buffer: one fp8 block of one head, as floats
-    std::vector<int64_t> visible;
+    std::vector<int64_t> visible, first;
     for (int64_t i; (i = next++) < (int64_t)items.size();)
-      attend(items[i].first, items[i].second, scores, visible, buffer);
+      attend(items[i].first, items[i].second, scores, visible, first, buffer);
   });
   return out;
 }
