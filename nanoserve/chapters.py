@@ -14,6 +14,7 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.seams import Seams
+from nanoserve.models.qwen3 import sliding_windows
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
 from nanoserve.step_records import StepRecord, step_recorder
@@ -27,6 +28,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
 
         seams.executor_class = MultiprocExecutor
+    if any(sliding_windows(config.hf_config)):  # blocks freed behind the window: sliding_window/
+        from nanoserve.sliding_window import plug_in as plug_in_sliding_window
+
+        plug_in_sliding_window(config, seams)
     seams.scheduler_class = scheduler_class(config)
     if config.scheduling_policy == "priority":  # generate(..., priority=[...]): scheduling/priority.py
         from nanoserve.scheduling.priority import check_priority

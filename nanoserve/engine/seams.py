@@ -92,6 +92,9 @@ class Seams:
     # 18. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
     #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
     input_batch: Callable | None = None
+    # 19. The block manager's class, for the device pool and the swap pool: (num_blocks, block_size,
+    #    enable_prefix_caching, seams) -> a BlockManager (sliding_window/: frees the blocks behind the window).
+    block_manager_class: Callable | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)

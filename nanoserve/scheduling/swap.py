@@ -15,9 +15,11 @@ from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, nu
 
 
 def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
-    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared.
+    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared; the
+    null block (sliding_window/: in place of blocks freed behind the window) stays the null block.
     Returns the (src block, dst block) pairs whose KV the model runners copy before the forward."""
-    mapping: dict[int, int] = {}
+    null = {} if src.null_block is None else {src.null_block: dst.null_block}
+    mapping: dict[int, int] = dict(null)
     for seq in seqs:
         for block_id in seq.block_table:
             if block_id in mapping:
@@ -26,7 +28,12 @@ def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> l
                 mapping[block_id] = dst.allocate_block()
         src.free(seq.block_table)
         seq.block_table = [mapping[b] for b in seq.block_table]
-    return list(mapping.items())
+    return [(s, d) for s, d in mapping.items() if s not in null]
+
+
+def live_blocks(seqs: list[Sequence], pool: BlockManager) -> set[int]:
+    """The blocks seqs hold in pool (its null block is none of them)."""
+    return {b for seq in seqs for b in seq.block_table} - {pool.null_block}
 
 
 class SwapScheduler(Scheduler):
@@ -52,7 +59,7 @@ class SwapScheduler(Scheduler):
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Copy the KV of seq's request to the host pool, if it has room; else recompute (the core's preempt)."""
         group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
-        if self.host_block_manager.num_free_blocks < len({b for s in group for b in s.block_table}):
+        if self.host_block_manager.num_free_blocks < len(live_blocks(group, self.block_manager)):
             return super().preempt(seq, out)
         self._take_running(seq, out)
         out.blocks_to_swap_out += move_blocks(group, self.block_manager, self.host_block_manager)
@@ -81,7 +88,7 @@ class SwapScheduler(Scheduler):
         """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
         of several, each may need a copy of a shared last block)?"""
         num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
-        return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.block_manager.num_free_blocks
+        return len(live_blocks(seqs, self.host_block_manager)) + num_new <= self.block_manager.num_free_blocks
 
     def home(self, seq: Sequence):
         if seq.status == SequenceStatus.SWAPPED:
@@ -102,5 +109,6 @@ def plug_in(engine: EngineCore) -> None:
     its books; the step's copies run at the move_kv seam."""
     config = engine.config
     num_blocks = engine.executor.call("allocate_host_pool", "swap_space", config.swap_space)
-    engine.scheduler.host_block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+    pool = engine.seams.block_manager_class or BlockManager  # (the same class as the device pool's)
+    engine.scheduler.host_block_manager = pool(num_blocks, config.block_size, enable_prefix_caching=False)
     engine.seams.move_kv.append(move_swapped_kv)

@@ -1,0 +1,36 @@
+"""Sliding-window attention (Mistral, windowed Qwen2): the blocks behind the window go back to the pool.
+
+The attention itself is the core's: models/qwen3.py reads each layer's window (sliding_windows) and every backend
+attends to the last `sliding_window` positions (layers/attention.py). This chapter is the block manager's part,
+plugged in at the `block_manager_class` seam (engine/seams.py) when every layer is windowed: block_manager.py.
+With full layers too (a hybrid Qwen2) one block table serves every layer and the full layers read every block,
+so nothing is freed: the core's BlockManager stays (docs/sliding_window.md says what vLLM's hybrid manager does).
+"""
+from functools import partial
+
+from nanoserve.config import Config
+from nanoserve.engine.seams import Seams
+from nanoserve.models.qwen3 import sliding_windows
+from nanoserve.sliding_window.block_manager import NULL_BLOCK, SlidingWindowBlockManager
+
+__all__ = ["NULL_BLOCK", "SlidingWindowBlockManager", "frees_blocks", "plug_in"]
+
+
+def frees_blocks(config: Config) -> int:
+    """The window behind which blocks can be freed: the largest layer's, when every layer (the draft model's too)
+    is windowed; else 0."""
+    windows = sliding_windows(config.hf_config)
+    if config.draft_hf_config is not None:
+        windows += sliding_windows(config.draft_hf_config)
+    return max(windows) if all(windows) else 0
+
+
+def plug_in(config: Config, seams: Seams) -> None:
+    """Before the engine is built: both pools (the device's and the swap pool) become SlidingWindowBlockManagers."""
+    window = frees_blocks(config)
+    if not window:
+        return
+    if config.kv_offloading_size:
+        raise ValueError("kv_offloading_size: the prefix cache's host tier is not built for a sliding window "
+                         "(its hits would have to follow the window's rule); set kv_offloading_size=0")
+    seams.block_manager_class = partial(SlidingWindowBlockManager, sliding_window=window)

@@ -1,0 +1,105 @@
+"""Sliding-window attention's block manager: a sequence gives back the blocks its window has left behind.
+
+A layer with a sliding window W computes the token at position p from the keys at positions p - W + 1 .. p only
+(layers/attention.py). When every layer is windowed, a block whose tokens all lie before the window of the next
+token to compute is read by no layer again: it goes back to the pool, and its place in the block table holds the
+null block (vLLM V1's SlidingWindowManager), so logical block i stays at index i for the model runner's slot
+arithmetic. Once its prompt is computed, a sequence holds at most ceil(W / block_size) + 1 blocks, however long
+it runs. A freed block keeps its hash, as any freed block: a later prompt can still hit it.
+"""
+from nanoserve.engine.block_manager import BlockManager, compute_hash, hash_root
+from nanoserve.engine.seams import Seams
+from nanoserve.engine.sequence import Sequence
+from nanoserve.utils.math import cdiv
+
+# Never handed out and never written, so its KV stays zeros: the attention kernels may read it for a key before the
+# window, and mask it out. Each pool (the device's, the swap pool) keeps its own block 0 for it.
+NULL_BLOCK = 0
+
+
+class SlidingWindowBlockManager(BlockManager):
+    null_block = NULL_BLOCK  # (scheduling/swap.py moves the other entries of a table, and keeps this one)
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 seams: Seams | None = None, *, sliding_window: int):
+        super().__init__(num_blocks, block_size, enable_prefix_caching, seams)
+        self.sliding_window = sliding_window
+        self.free_block_ids.remove(NULL_BLOCK)
+        self.blocks[NULL_BLOCK].ref_count = 1  # pinned: the entries that name it are no references
+        self.num_freed_behind_window = 0  # blocks handed back so far (the step records show it)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) - 1  # the null block is no block of the pool's
+
+    def first_needed_block(self, seq: Sequence) -> int:
+        """The next token to compute sits at num_computed_tokens and sees back to num_computed_tokens - W + 1:
+        no layer reads the blocks before this one again."""
+        first = max(seq.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
+        return min(first, len(seq.block_table))
+
+    def free_behind_window(self, seq: Sequence) -> list[int]:
+        """Give back seq's blocks behind its window; returns their ids."""
+        n = self.first_needed_block(seq)
+        behind = [b for b in seq.block_table[:n] if b != NULL_BLOCK]
+        if behind:  # a new list: the persistent batch rewrites the row of a sequence whose list changed
+            seq.block_table = [NULL_BLOCK] * n + seq.block_table[n:]
+            self.free(behind)
+            self.num_freed_behind_window += len(behind)
+        return behind
+
+    def free(self, block_ids: list[int]) -> None:
+        super().free([b for b in block_ids if b != NULL_BLOCK])
+
+    def share(self, block_ids: list[int]) -> None:
+        super().share([b for b in block_ids if b != NULL_BLOCK])
+
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+        """vLLM V1's rule for a window: a prefix of k blocks is a hit when the blocks the window of its first
+        uncomputed token reads (the last ceil((W - 1) / block_size) of them) are cached; those before it may be
+        gone, and are null blocks in the table. The longest such prefix; no second tier (plug_in refuses one)."""
+        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+            return [], []
+        cached, prefix_hash = [], hash_root(seq)
+        for i in range((len(seq) - 1) // self.block_size):  # (the last token is computed: it needs logits)
+            token_ids = seq.block(i)
+            prefix_hash = compute_hash(token_ids, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash)
+            cached.append(block_id if block_id is not None and self.blocks[block_id].token_ids == token_ids else None)
+        need = cdiv(self.sliding_window - 1, self.block_size)
+        for num_hit in range(len(cached), 0, -1):
+            window = cached[max(num_hit - need, 0) : num_hit]
+            if None not in window:
+                return [NULL_BLOCK] * (num_hit - len(window)) + window, []
+        return [], []
+
+    def allocate(self, seq: Sequence) -> bool:
+        allocated = super().allocate(seq)
+        self.blocks[NULL_BLOCK].ref_count = 1  # (the base class counted the null entries of a hit as references)
+        return allocated
+
+    def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
+        """The base class's registration, its chain of hashes taken from the tokens where the block before is
+        the null block; then, the KV of start..end being written, the blocks behind the window are freed."""
+        if self.enable_prefix_caching:
+            for i in range(start // self.block_size, end // self.block_size):
+                block = self.blocks[seq.block_table[i]]
+                if block.block_id == NULL_BLOCK:  # freed already (a window shorter than a block)
+                    continue
+                block.token_ids = seq.block(i)
+                block.hash = compute_hash(block.token_ids, self._prefix_hash(seq, i))
+                self.hash_to_block_id[block.hash] = block.block_id
+        self.free_behind_window(seq)
+
+    def _prefix_hash(self, seq: Sequence, i: int) -> int:
+        """The hash block i chains from: block i - 1's, or, that one freed, computed again from seq's tokens."""
+        if i > 0 and seq.block_table[i - 1] != NULL_BLOCK:
+            return self.blocks[seq.block_table[i - 1]].hash
+        prefix_hash = hash_root(seq)
+        for j in range(i):
+            prefix_hash = compute_hash(seq.block(j), prefix_hash)
+        return prefix_hash
+
+    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
+        self.free_behind_window(seq)  # first, so the blocks it gives back can take the new tokens
+        return super().may_append(seq)
