@@ -1,0 +1,176 @@
+"""The SlidingWindowBlockManager's books (nanoserve/sliding_window/block_manager.py): exact block ids on small cases,
+then randomized traffic under every scheduling option with the stand-in model of test_scheduling_random.py. No
+block leaks or is freed twice, every token reads its own KV back to the edge of its window, and a decoding
+sequence holds at most ceil(window / block_size) + 1 blocks."""
+import random
+from collections import Counter
+
+import pytest
+from test_scheduling_random import check_step, move_kv, next_token, random_config, unconstrained
+
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.sampling_params import SamplingParams
+from nanoserve.sliding_window import NULL_BLOCK, SlidingWindowBlockManager
+from nanoserve.utils.math import cdiv
+
+NUM_CASES = 100  # per prefix-caching setting
+
+
+def test_blocks_behind_the_window_go_back_in_order():
+    """Window 6, blocks of 4: after computing 12 tokens the next token (position 12) sees 7..12, so block 0
+    (tokens 0..3) is freed and block 1 (4..7) is kept."""
+    bm = SlidingWindowBlockManager(8, 4, sliding_window=6)
+    assert bm.num_blocks == bm.num_free_blocks == 7 and list(bm.free_block_ids) == [1, 2, 3, 4, 5, 6, 7]
+    seq = Sequence(0, list(range(10, 22)), SamplingParams(), 4)
+    assert bm.allocate(seq) and seq.block_table == [1, 2, 3]
+    seq.num_computed_tokens = 12
+    bm.hash_blocks(seq, 0, 12)
+    assert seq.block_table == [NULL_BLOCK, 2, 3] and list(bm.free_block_ids) == [4, 5, 6, 7, 1]
+    assert bm.blocks[1].ref_count == 0 and bm.blocks[1].hash != -1  # freed, still a prefix-cache entry
+    seq.append_token(22)
+    assert bm.may_append(seq) == [] and seq.block_table == [NULL_BLOCK, 2, 3, 4]
+    seq.num_computed_tokens = 12  # (the next token still sees 7..12: nothing more to free)
+    bm.hash_blocks(seq, 12, 12)
+    assert seq.block_table == [NULL_BLOCK, 2, 3, 4]
+    seq.num_computed_tokens = 13  # the next token (13) sees 8..13: block 1 (4..7) goes too
+    bm.hash_blocks(seq, 12, 13)
+    assert seq.block_table == [NULL_BLOCK, NULL_BLOCK, 3, 4] and bm.num_freed_behind_window == 2
+    bm.deallocate(seq)
+    assert bm.num_free_blocks == 7 and bm.blocks[NULL_BLOCK].ref_count == 1
+
+
+def test_a_prefix_hit_needs_only_the_blocks_the_window_reads():
+    """vLLM V1's rule: blocks 1 and 2 of a cached prompt were handed to someone else; a new prompt with the same 16
+    first tokens still hits all 16, since its token 16 reads 13..16 only: block 3 is all the window needs."""
+    bm = SlidingWindowBlockManager(6, 4, sliding_window=4)
+    first = Sequence(0, list(range(10, 27)), SamplingParams(), 4)  # 17 tokens: blocks 0..3 full
+    assert bm.allocate(first) and first.block_table == [1, 2, 3, 4, 5]
+    first.num_computed_tokens = 17
+    bm.hash_blocks(first, 0, 17)
+    assert first.block_table == [NULL_BLOCK] * 3 + [4, 5]  # the next token (17) sees 14..17
+    bm.deallocate(first)
+    thief = Sequence(1, [500] * 8, SamplingParams(), 4)  # takes the two blocks the free queue evicts first
+    assert bm.allocate(thief) and thief.block_table == [3, 2]
+    second = Sequence(2, list(range(10, 27)) + [99], SamplingParams(), 4)
+    # Blocks 0 and 3 are cached, 1 and 2 gone: a hit of 4 blocks needs block 3 only (window 4: 1 block back).
+    assert bm.allocate(second)
+    assert second.block_table[:4] == [NULL_BLOCK, NULL_BLOCK, NULL_BLOCK, 4] and second.num_computed_tokens == 16
+
+
+def test_swap_moves_only_live_blocks():
+    bm = SlidingWindowBlockManager(8, 4, sliding_window=4)
+    host = SlidingWindowBlockManager(4, 4, enable_prefix_caching=False, sliding_window=4)
+    seq = Sequence(0, list(range(10, 22)), SamplingParams(), 4)
+    bm.allocate(seq)
+    seq.num_computed_tokens = 12
+    bm.hash_blocks(seq, 0, 12)
+    assert seq.block_table == [NULL_BLOCK, NULL_BLOCK, 3]
+    assert bm.swap_out([seq], host) == [(3, 1)] and seq.block_table == [NULL_BLOCK, NULL_BLOCK, 1]
+    assert bm.num_free_blocks == 7 and host.num_free_blocks == 2
+    seq.append_token(22)
+    assert bm.can_swap_in([seq])
+    assert bm.swap_in([seq], host) == [(1, 4)] and seq.block_table == [NULL_BLOCK, NULL_BLOCK, 4]
+    assert host.num_free_blocks == 3
+
+
+def random_case(rng: random.Random, model: str, prefix_caching: bool):
+    config = random_config(rng, model, (8, 48), enable_prefix_caching=prefix_caching)
+    block_size, max_model_len = config.block_size, config.max_model_len
+    window = rng.randint(1, 3 * block_size + 1)
+    prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))] for _ in range(3)]
+    requests = []
+    for seq_id in range(rng.randint(1, 12)):
+        prompt = (rng.choice(prefixes) + [rng.randint(3, 9) for _ in range(rng.randint(1, 8))])[: max_model_len - 1]
+        room = max_model_len - len(prompt)
+        n = min(rng.choice([1, 1, 2, 3]), config.max_num_seqs)
+        params = SamplingParams(max_tokens=rng.randint(-(-room // 2), room), ignore_eos=rng.random() < 0.5,
+                                stop_token_ids=rng.choice([[], [3]]), n=n)
+        priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
+        group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
+        for seq in group:
+            seq.group = group
+        requests.append((rng.randint(0, 10), group[0]))
+    largest = max(len(seq) // block_size + seq.sampling_params.n * cdiv(len(seq) % block_size +  # check_request's
+                  seq.sampling_params.max_tokens, block_size) for _, seq in requests)
+    # Often too small for all (+1: the null block); the swap pool may have no room at all.
+    bm = SlidingWindowBlockManager(rng.randint(largest, 2 * largest) + 1, block_size, prefix_caching,
+                                   sliding_window=window)
+    host = (SlidingWindowBlockManager(rng.randint(0, 2 * largest) + 1, block_size, False, sliding_window=window)
+            if config.preemption_mode == "swap" else None)
+    return config, window, sorted(requests, key=lambda r: r[0]), Scheduler(config, bm, host)
+
+
+def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int, window: int) -> None:
+    """The batch writes its new tokens, then every token it computed must find its own KV in the slots of its
+    window: positions p - window + 1 .. p (never in the null block)."""
+    written = {}
+    for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+        for p in range(start, start + n):
+            slot = (seq.block_table[p // block_size], p % block_size)
+            assert slot not in written and slot[0] != NULL_BLOCK
+            written[slot] = tuple(seq.token_ids[: p + 1])
+    kv.update(written)
+    for seq, start in zip(out.seqs, out.num_computed_tokens):
+        for p in range(max(start - window + 1, 0), seq.num_computed_tokens):
+            block_id = seq.block_table[p // block_size]
+            assert block_id != NULL_BLOCK and kv.get((block_id, p % block_size)) == tuple(seq.token_ids[: p + 1])
+
+
+def check_books(scheduler: Scheduler, window: int) -> None:
+    """Reference counts equal the (non-null) table entries; the free queue is the blocks nobody holds; a sequence
+    past its prompt holds at most ceil(window / block_size) + 1 blocks."""
+    for pool, holders in ((scheduler.block_manager, scheduler.running), (scheduler.host_block_manager,
+                                                                        scheduler.swapped)):
+        if pool is None:
+            continue
+        count = Counter(b for seq in holders for b in seq.block_table if b != NULL_BLOCK)
+        assert pool.blocks[NULL_BLOCK].ref_count == 1
+        assert [b.ref_count for b in pool.blocks[1:]] == [count[b.block_id] for b in pool.blocks[1:]]
+        assert sorted(pool.free_block_ids) == [b.block_id for b in pool.blocks[1:] if b.ref_count == 0]
+    bm = scheduler.block_manager
+    assert all(bm.blocks[i].hash == h for h, i in bm.hash_to_block_id.items())
+    assert all(seq.block_table == [] and seq.num_computed_tokens == 0 for seq in scheduler.waiting)
+    for seq in scheduler.running:
+        if seq.num_computed_tokens >= len(seq) - 1:  # decoding: its prompt (or recomputed context) is in the cache
+            assert sum(b != NULL_BLOCK for b in seq.block_table) <= cdiv(window, bm.block_size) + 1
+    assert all(seq.status == SequenceStatus.RUNNING for seq in scheduler.running)
+
+
+def run_case(model: str, seed: int, prefix_caching: bool) -> None:
+    rng = random.Random(seed)
+    config, window, requests, scheduler = random_case(rng, model, prefix_caching)
+    seqs = [seq for _, first in requests for seq in first.group]
+    expected = [unconstrained(seq.token_ids, seq.sampling_params, seq.index) for seq in seqs]
+    kv: dict = {}
+    host_kv: dict = {}
+    for t in range(10_000):
+        while requests and requests[0][0] <= t:
+            scheduler.add(requests.pop(0)[1])
+        if scheduler.is_finished():
+            if not requests:
+                break
+            continue
+        out = scheduler.schedule()
+        check_step(out, config)
+        move_kv(kv, host_kv, out, config.block_size)
+        write_and_check_kv(kv, out, config.block_size, window)
+        scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
+                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
+        check_books(scheduler, window)
+    else:
+        pytest.fail("requests still unfinished after 10000 steps")
+    assert [seq.completion_token_ids for seq in seqs] == expected
+    check_books(scheduler, window)
+    bm = scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_blocks  # with nobody left, every block is free
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_random_traffic_keeps_the_books(tiny_models, prefix_caching):
+    for seed in range(NUM_CASES):
+        try:
+            run_case(tiny_models["qwen3"], seed, prefix_caching)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, prefix_caching={prefix_caching}") from e
+
