@@ -61,6 +61,8 @@ class StepRecord:
     blocks_loaded: list[tuple[int, int]] = field(default_factory=list)
     num_host_cached_blocks: int = 0
     num_host_blocks: int = 0
+    # Sliding-window attention (sliding_window/): blocks handed back from behind the window so far, all steps.
+    num_freed_behind_window: int = 0
 
 
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
@@ -85,7 +87,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         step=step, kind=kind, scheduled=scheduled,
         recomputed=[seq.seq_id for seq, s in zip(out.preempted, swapped) if not s],
         swapped_out=[seq.seq_id for seq, s in zip(out.preempted, swapped) if s],
-        swapped_in=[seq.seq_id for seq in out.seqs if seq.block_table and seq.block_table[0] in swapped_in_blocks],
+        swapped_in=[seq.seq_id for seq in out.seqs if swapped_in_blocks.intersection(seq.block_table)],
         finished=[seq.seq_id for seq in updated if seq.is_finished],
         waiting=[seq.seq_id for seq in scheduler.waiting],
         running=[seq.seq_id for seq in scheduler.running],
@@ -104,6 +106,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         blocks_offloaded=list(out.blocks_to_offload), blocks_loaded=list(out.blocks_to_load),
         num_host_cached_blocks=len(tier.cached) if tier is not None else 0,
         num_host_blocks=tier.num_blocks if tier is not None else 0,
+        num_freed_behind_window=getattr(bm, "num_freed_behind_window", 0),
     )
 
 

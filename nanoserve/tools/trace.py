@@ -97,10 +97,10 @@ def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -
     """The articles' step table: who ran and how many tokens each (* = a chunk that sampled nothing,
     @N = started at position N, the tokens before came from the prefix cache, [a/p] = a of its p draft
     tokens accepted, +NAME = with LoRA adapter NAME), what happened to whom (beam search: "X<Y forked", X a
-    new beam sharing Y's blocks; "dropped", a beam without a child, its blocks freed), the queues
-    (waiting/running/swapped), the KV blocks (used/free-but-cached/free) after the step, with speculative
-    decoding the step's drafts accepted/proposed, and the milliseconds since the step before (in a busy engine:
-    the step's time)."""
+    new beam sharing Y's blocks; "dropped", a beam without a child, its blocks freed; "N freed behind window",
+    sliding-window attention's), the queues (waiting/running/swapped), the KV blocks (used/free-but-cached/free)
+    after the step, with speculative decoding the step's drafts accepted/proposed, and the milliseconds since the
+    step before (in a busy engine: the step's time)."""
     names, loras = names or default_names(trace), adapter_names(trace)
     speculating = any(r.spec_token_ids for rec in trace for r in rec.scheduled)  # (else no spec column)
     lines = [f"{'step':>4}  {'kind':<7}  {'batch':<30}  {'events':<26}  {'w/r/s':<8}  {'blocks u/c/f':<12}  "
@@ -111,6 +111,8 @@ def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -
                rec.swapped_out), ("swapped in", rec.swapped_in), ("dropped", rec.dropped), ("finished", rec.finished))}
         who["forked"] = [f"{names[child]}<{names[parent]}" for child, parent in rec.forked]
         events = [f"{' '.join(who[what])} {what}" for what in EVENTS if who[what]]
+        if freed := rec.num_freed_behind_window - (prev.num_freed_behind_window if prev else 0):
+            events.append(f"{freed} freed behind window")  # sliding-window attention: no layer reads them again
         queues = f"{len(rec.waiting)}/{len(rec.running)}/{len(rec.swapped)}"
         blocks = f"{rec.num_used_blocks}/{rec.num_cached_blocks}/{rec.num_free_blocks}"
         spec = f"{spec_totals(rec):<8}  " if speculating else ""
