@@ -187,3 +187,15 @@ def test_a_bad_window_is_refused(models, tmp_path, window):
 def test_the_host_tier_is_refused_with_a_window(models):
     with pytest.raises(ValueError, match="kv_offloading_size"):
         LLM(models["mistral"], num_kvcache_blocks=16, kv_offloading_size=0.01)
+
+
+def test_the_trace_shows_the_blocks_freed_behind_the_window(models):
+    from nanoserve.tools.trace import format_trace
+
+    llm = LLM(models["mistral"], block_size=BLOCK_SIZE, num_kvcache_blocks=64, trace=True)
+    llm.generate([max(PROMPTS, key=len)], GREEDY, use_tqdm=False)
+    totals = [0] + [rec.num_freed_behind_window for rec in llm.trace]
+    assert totals[-1] == llm.engine.block_manager.num_freed_behind_window > 0
+    steps = [after - before for before, after in zip(totals, totals[1:]) if after > before]
+    lines = [line for line in format_trace(llm.trace).splitlines() if "freed behind window" in line]
+    assert [int(line.split(" freed behind window")[0].split()[-1]) for line in lines] == steps
