@@ -8,9 +8,11 @@ from collections import Counter
 import pytest
 from test_scheduling_random import check_step, move_kv, next_token, random_config, unconstrained
 
+from conftest import make_scheduler
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.scheduling.swap import move_blocks
 from nanoserve.sliding_window import NULL_BLOCK, SlidingWindowBlockManager
 from nanoserve.utils.math import cdiv
 
@@ -59,6 +61,7 @@ def test_a_prefix_hit_needs_only_the_blocks_the_window_reads():
 
 
 def test_swap_moves_only_live_blocks():
+    """scheduling/swap.py's move_blocks: the null entries stay null in the host pool and back."""
     bm = SlidingWindowBlockManager(8, 4, sliding_window=4)
     host = SlidingWindowBlockManager(4, 4, enable_prefix_caching=False, sliding_window=4)
     seq = Sequence(0, list(range(10, 22)), SamplingParams(), 4)
@@ -66,11 +69,10 @@ def test_swap_moves_only_live_blocks():
     seq.num_computed_tokens = 12
     bm.hash_blocks(seq, 0, 12)
     assert seq.block_table == [NULL_BLOCK, NULL_BLOCK, 3]
-    assert bm.swap_out([seq], host) == [(3, 1)] and seq.block_table == [NULL_BLOCK, NULL_BLOCK, 1]
+    assert move_blocks([seq], bm, host) == [(3, 1)] and seq.block_table == [NULL_BLOCK, NULL_BLOCK, 1]
     assert bm.num_free_blocks == 7 and host.num_free_blocks == 2
     seq.append_token(22)
-    assert bm.can_swap_in([seq])
-    assert bm.swap_in([seq], host) == [(1, 4)] and seq.block_table == [NULL_BLOCK, NULL_BLOCK, 4]
+    assert move_blocks([seq], host, bm) == [(1, 4)] and seq.block_table == [NULL_BLOCK, NULL_BLOCK, 4]
     assert host.num_free_blocks == 3
 
 
@@ -98,7 +100,7 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
                                    sliding_window=window)
     host = (SlidingWindowBlockManager(rng.randint(0, 2 * largest) + 1, block_size, False, sliding_window=window)
             if config.preemption_mode == "swap" else None)
-    return config, window, sorted(requests, key=lambda r: r[0]), Scheduler(config, bm, host)
+    return config, window, sorted(requests, key=lambda r: r[0]), make_scheduler(config, bm, host)
 
 
 def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int, window: int) -> None:
@@ -120,8 +122,8 @@ def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int, window: 
 def check_books(scheduler: Scheduler, window: int) -> None:
     """Reference counts equal the (non-null) table entries; the free queue is the blocks nobody holds; a sequence
     past its prompt holds at most ceil(window / block_size) + 1 blocks."""
-    for pool, holders in ((scheduler.block_manager, scheduler.running), (scheduler.host_block_manager,
-                                                                        scheduler.swapped)):
+    for pool, holders in ((scheduler.block_manager, scheduler.running), (getattr(scheduler, "host_block_manager", None),
+                                                                        getattr(scheduler, "swapped", []))):
         if pool is None:
             continue
         count = Counter(b for seq in holders for b in seq.block_table if b != NULL_BLOCK)
