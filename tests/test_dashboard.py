@@ -57,8 +57,8 @@ def test_records_steps_blocks_and_requests(tiny_models):
         step=0, kind="prefill", time=step0["time"],
         batch=[dict(seq=i, tokens=n, sampled=True, decode=False, label=str(n)) for i, n in enumerate((8, 6, 5, 5))],
         states={"0": "prefill", "1": "prefill", "2": "prefill", "3": "prefill"}, hits={},
-        recomputed=[], swapped_out=[], swapped_in=[], finished=[], forked=[], dropped=[], waiting=[],
-        running=[0, 1, 2, 3], swapped=[],
+        recomputed=[], swapped_out=[], swapped_in=[], finished=[], forked=[], dropped=[], freed_behind_window=0,
+        waiting=[], running=[0, 1, 2, 3], swapped=[],
         blocks=dict(used=8, cached=0, free=0), tokens=24, budget=llm.engine.config.max_num_batched_tokens)
     assert step1["recomputed"] == [3] and step1["waiting"] == [3] and step1["running"] == [0, 1, 2]
     assert step1["states"] == {"0": "decode", "1": "decode", "2": "decode", "3": "preempted"}

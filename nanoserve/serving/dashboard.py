@@ -46,6 +46,7 @@ def step_json(rec: StepRecord, view: StepView) -> dict:
         states=view.states, hits=view.hits,  # (JSON turns the ids that key them into strings)
         recomputed=rec.recomputed, swapped_out=rec.swapped_out, swapped_in=rec.swapped_in, finished=rec.finished,
         forked=rec.forked, dropped=rec.dropped,  # beam search: [new beam, parent] pairs; beams freed
+        freed_behind_window=rec.num_freed_behind_window,  # sliding-window attention: blocks given back so far
         waiting=rec.waiting, running=rec.running, swapped=rec.swapped,
         blocks=dict(used=rec.num_used_blocks, cached=rec.num_cached_blocks, free=rec.num_free_blocks),
         tokens=rec.num_scheduled_tokens, budget=rec.token_budget,
@@ -73,7 +74,7 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
     for where, queue in ((holders, scheduler.running), (host_holders, queues["swapped"])):
         for seq in queue:
             for block_id in seq.block_table:
-                if block_id < max_blocks:
+                if block_id < max_blocks and block_id != pool.null_block:  # (sliding_window/'s: nobody's)
                     where.setdefault(block_id, []).append(seq.seq_id)
     # Each block: [ref_count, 1 if its hash is in the prefix cache (a prompt with that prefix can take it),
     # the sequences holding it]; a host block: the sequences holding it.
