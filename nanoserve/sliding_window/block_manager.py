@@ -92,8 +92,9 @@ class SlidingWindowBlockManager(BlockManager):
         self.free_behind_window(seq)
 
     def _prefix_hash(self, seq: Sequence, i: int) -> int:
-        """The hash block i chains from: block i - 1's, or, that one freed, computed again from seq's tokens."""
-        if i > 0 and seq.block_table[i - 1] != NULL_BLOCK:
+        """The hash block i chains from: block i - 1's, or, that one freed (or not hashed), computed again from seq's
+        tokens."""
+        if i > 0 and seq.block_table[i - 1] != NULL_BLOCK and self.blocks[seq.block_table[i - 1]].hash != -1:
             return self.blocks[seq.block_table[i - 1]].hash
         prefix_hash = hash_root(seq)
         for j in range(i):
