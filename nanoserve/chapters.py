@@ -9,12 +9,11 @@ import weakref
 
 from nanoserve import async_llm, llm
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.config import Config
+from nanoserve.config import Config, sliding_windows
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.seams import Seams
-from nanoserve.models.qwen3 import sliding_windows
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
 from nanoserve.step_records import StepRecord, step_recorder

@@ -33,6 +33,14 @@ def check_tensor_parallel_shapes(c: PretrainedConfig, n: int, field: str = "") -
                          "must divide one another (fewer KV heads than ranks are replicated)")
 
 
+def sliding_windows(c: PretrainedConfig) -> list[int]:
+    """Each layer's attention window (0: the whole context), as transformers 5 decides: c.sliding_window for the
+    layers its layer_types calls "sliding_attention" (Qwen2: those from max_window_layers on), or for all (Mistral)."""
+    window, types = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
+    return [window if window is not None and t == "sliding_attention" else 0
+            for t in types or ["sliding_attention"] * c.num_hidden_layers]
+
+
 # The range of each numeric option, as SamplingParams checks its own: (name, type, allowed, the limit as the
 # error states it). A float must be finite too: NaN fails every comparison, but inf passes ">= 0".
 LIMITS = (

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
 from conftest import COMMON, hf_greedy, random_prompts
 from nanoserve import LLM, BeamSearchParams, SamplingParams
-from nanoserve.models.qwen3 import sliding_windows
+from nanoserve.config import sliding_windows
 from nanoserve.sliding_window import NULL_BLOCK, SlidingWindowBlockManager
 
 BLOCK_SIZE = 16

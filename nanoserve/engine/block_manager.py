@@ -37,8 +37,6 @@ class BlockManager:
     until it is handed out for other tokens (then, with a second tier, seams.kv_cache_tier, its KV moves there).
     """
 
-    null_block: int | None = None  # a block id tables may hold that is no block of theirs (sliding_window/)
-
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None):
         self.block_size = block_size

@@ -66,10 +66,9 @@ class TorchAttentionPlan:
 
 
 def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor, window: int = 0) -> TorchAttentionPlan:
-    """A sequence with one new token (a decode) joins a group of sequences of similar context length:
-    sorted by length, so padding a group to its longest wastes little. A sequence with several new tokens
-    (a prefill) gets its own causal SDPA call over exactly its context. window > 0: each token also sees only
-    the last `window` positions, itself included (sliding-window attention, as transformers' mask)."""
+    """A sequence with one new token (a decode) joins a group of sequences of similar context length: sorted by
+    length, so padding a group to its longest wastes little. A sequence with several new tokens (a prefill) gets
+    its own causal SDPA call over exactly its context. window > 0: a token sees only the last `window` positions."""
     dev, block_size = meta.block_tables.device, k_cache.shape[1]
     starts, q_lens = meta.cu_seqlens_q[:-1].tolist(), meta.cu_seqlens_q.diff().tolist()
     context_lens = meta.context_lens.tolist()
@@ -89,11 +88,10 @@ def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor, window:
     for i, (start, q_len, context_len) in enumerate(zip(starts, q_lens, context_lens)):
         if q_len > 1:
             # Causal, aligned bottom-right: the new tokens come after context_len - q_len cached ones.
-            windowed = window and context_len > window  # some key lies `window` or more positions back
+            windowed = window and context_len > window  # some key lies `window` or more positions back: masked
             mask = None if q_len == context_len and not windowed else torch.ones(
-                q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len)
-            if windowed:
-                mask = mask.triu(context_len - q_len - window + 1)
+                q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len).triu(
+                context_len - q_len - window + 1 if windowed else -q_len)  # (-q_len: no lower bound)
             block_ids = meta.block_tables[i, : -(-context_len // block_size)]
             plan.prefills.append((start, start + q_len, block_ids, context_len, mask))
     max_blocks = max((len(block_ids) for _, block_ids, _ in plan.decode_groups), default=0)
@@ -155,8 +153,7 @@ def attention_backend(name: str) -> tuple[Callable, Callable]:
 
 
 class Attention(nn.Module):
-    """Stores new K/V into the paged cache, then attends over each sequence's whole context, or over its last
-    sliding_window positions (0: all; docs/sliding_window.md)."""
+    """Stores new K/V into the paged cache, then attends over each sequence's context (its last sliding_window)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int = 0):
         super().__init__()

@@ -1,7 +1,6 @@
-"""Qwen3, and through two switches Qwen2 and Llama (and Mistral): they differ only in their attention.
+"""Qwen3, and through two switches Qwen2 and Llama (Mistral: Llama with a sliding window): they differ in attention.
 
-Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither; Mistral is Llama
-whose layers attend to a sliding window (as may Qwen2's: sliding_windows).
+Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither. Windows: config.py.
 """
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
+from nanoserve.config import sliding_windows
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.layernorm import RMSNorm
@@ -43,14 +43,6 @@ ARCHITECTURES = {
     "LlamaForCausalLM": Variant(),
     "MistralForCausalLM": Variant(),
 }
-
-
-def sliding_windows(config: PretrainedConfig) -> list[int]:
-    """Each layer's attention window (0: the whole context), as transformers 5 decides: config.sliding_window for
-    the layers its layer_types calls "sliding_attention" (Qwen2: those from max_window_layers on), or for all."""
-    window, n = getattr(config, "sliding_window", None), config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["sliding_attention"] * n
-    return [window if window is not None and t == "sliding_attention" else 0 for t in types]
 
 
 def rope_theta(config: PretrainedConfig) -> float:

@@ -18,7 +18,8 @@ def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> l
     """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared; the
     null block (sliding_window/: in place of blocks freed behind the window) stays the null block.
     Returns the (src block, dst block) pairs whose KV the model runners copy before the forward."""
-    null = {} if src.null_block is None else {src.null_block: dst.null_block}
+    null_block = getattr(src, "null_block", None)  # sliding_window/'s pools have one
+    null = {} if null_block is None else {null_block: dst.null_block}
     mapping: dict[int, int] = dict(null)
     for seq in seqs:
         for block_id in seq.block_table:
@@ -33,7 +34,7 @@ def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> l
 
 def live_blocks(seqs: list[Sequence], pool: BlockManager) -> set[int]:
     """The blocks seqs hold in pool (its null block is none of them)."""
-    return {b for seq in seqs for b in seq.block_table} - {pool.null_block}
+    return {b for seq in seqs for b in seq.block_table} - {getattr(pool, "null_block", None)}
 
 
 class SwapScheduler(Scheduler):

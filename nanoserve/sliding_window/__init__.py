@@ -8,9 +8,8 @@ so nothing is freed: the core's BlockManager stays (docs/sliding_window.md says 
 """
 from functools import partial
 
-from nanoserve.config import Config
+from nanoserve.config import Config, sliding_windows
 from nanoserve.engine.seams import Seams
-from nanoserve.models.qwen3 import sliding_windows
 from nanoserve.sliding_window.block_manager import NULL_BLOCK, SlidingWindowBlockManager
 
 __all__ = ["NULL_BLOCK", "SlidingWindowBlockManager", "frees_blocks", "plug_in"]
