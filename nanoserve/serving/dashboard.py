@@ -74,7 +74,7 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
     for where, queue in ((holders, scheduler.running), (host_holders, queues["swapped"])):
         for seq in queue:
             for block_id in seq.block_table:
-                if block_id < max_blocks and block_id != pool.null_block:  # (sliding_window/'s: nobody's)
+                if block_id < max_blocks and block_id != getattr(pool, "null_block", None):  # (sliding_window/'s)
                     where.setdefault(block_id, []).append(seq.seq_id)
     # Each block: [ref_count, 1 if its hash is in the prefix cache (a prompt with that prefix can take it),
     # the sequences holding it]; a host block: the sequences holding it.
