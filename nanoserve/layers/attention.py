@@ -1,3 +1,5 @@
+"""Paged attention's interface: each step's metadata, the backend's (store K/V, attend) pair, and the layer that calls
+them. The PyTorch backend (torch_attention.py) is the one to read; the C++ "cpu" backend is CPU's default."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
