@@ -30,13 +30,12 @@ class Block:
 
 
 class BlockManager:
-    """A fixed pool of KV blocks, shared between sequences by reference counting. Prefix caching: a full computed
-    block is registered under its chained hash, and a later prompt with the same prefix reuses it. A freed block
-    keeps its hash until it is handed out again (then its KV may move to seams.kv_cache_tier, a second tier)."""
+    """A pool of KV blocks shared by reference counting. Prefix caching: a prompt reuses full computed blocks by
+    chained hash; a freed block keeps its hash until handed out again (its KV may go to seams.kv_cache_tier)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None):
-        self.block_size = block_size
+        self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.seams = Seams() if seams is None else seams  # the engine's: its kv_cache_tier, if any
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -44,28 +43,18 @@ class BlockManager:
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # left end is evicted first
 
     @property
-    def num_blocks(self) -> int:
-        return len(self.blocks)
-
-    @property
     def num_free_blocks(self) -> int:
         return len(self.free_block_ids)
 
-    def _take_free_block(self, block_id: int) -> Block:
-        block = self.blocks[block_id]
-        self.free_block_ids.remove(block_id)
-        block.ref_count = 1
-        return block
-
     def allocate_block(self) -> int:
         """A free block for new tokens: the least recently freed one; its cached hash, if any, is forgotten."""
-        block_id = self._take_free_block(self.free_block_ids[0]).block_id
+        block_id = self.free_block_ids.popleft()
+        self.blocks[block_id].ref_count = 1
         self.uncache([block_id], offload=True)
         return block_id
 
     def uncache(self, block_ids: list[int] | set[int], offload: bool = False) -> None:
-        """Take blocks out of the prefix cache: handed out for other tokens (offload: their KV goes to the second
-        tier first, if any), or their KV is not what their hash says (a copy into them failed)."""
+        """Take blocks out of the prefix cache: reused (offload: KV to the second tier first) or their KV is bad."""
         for block in (self.blocks[b] for b in block_ids):
             if self.hash_to_block_id.get(block.hash) == block.block_id:
                 del self.hash_to_block_id[block.hash]
@@ -74,8 +63,7 @@ class BlockManager:
             block.hash, block.token_ids = -1, []
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Block ids of seq's longest cached prefix, verified token by token; then hashes of the blocks after it
-        that the second tier holds, to copy back."""
+        """Block ids of seq's longest cached prefix (token-checked), then hashes of the second tier's next blocks."""
         hit_ids, tier_hashes, tier = [], [], self.seams.kv_cache_tier
         # A request for prompt_logprobs computes its whole prompt: cached tokens would get no logits (vLLM V1).
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
@@ -93,27 +81,24 @@ class BlockManager:
                 break
         return hit_ids, tier_hashes
 
-    def _num_blocks_needed(self, seq: Sequence, hit_ids: list[int]) -> int:
-        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids)  # an unheld hit is a free block
+    def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
+        hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
+        # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
+        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids) <= self.num_free_blocks
 
     def num_new_tokens(self, seq: Sequence) -> int:
         """How many of seq's tokens allocate(seq) would leave to compute, past its cached prefix."""
         return len(seq) - sum(map(len, self._cached_prefix(seq))) * self.block_size
 
-    def can_allocate(self, seq: Sequence) -> bool:
-        return self._num_blocks_needed(seq, self._cached_prefix(seq)[0]) <= self.num_free_blocks
-
     def allocate(self, seq: Sequence) -> bool:
-        """Give seq's prompt its blocks, reusing cached ones (second-tier hits load into fresh blocks before the
-        forward). All or nothing: False changes no state."""
+        """Give seq's prompt its blocks, reusing cached ones (and loading tier hits); False changes no state."""
         hit_ids, tier_hashes = self._cached_prefix(seq)
-        if self._num_blocks_needed(seq, hit_ids) > self.num_free_blocks:
+        if not self.can_allocate(seq, hit_ids):
             return False
         for block_id in hit_ids:
-            if self.blocks[block_id].ref_count > 0:
-                self.blocks[block_id].ref_count += 1
-            else:
-                self._take_free_block(block_id)
+            if self.blocks[block_id].ref_count == 0:  # a cached block nobody held: out of the free queue
+                self.free_block_ids.remove(block_id)
+            self.blocks[block_id].ref_count += 1
         for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
             block = self.blocks[self.allocate_block()]
             block.hash, block.token_ids = block_hash, seq.block(i)
@@ -136,8 +121,7 @@ class BlockManager:
             self.hash_to_block_id[block.hash] = block.block_id
 
     def num_new_blocks(self, seq: Sequence) -> int:
-        """Free blocks seq's uncomputed tokens take: one per new block, plus a private copy of a shared last block
-        they land in (copy-on-write)."""
+        """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included (copy-on-write)."""
         shared = bool(seq.block_table) and self.blocks[seq.block_table[-1]].ref_count > 1
         lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
         return seq.num_blocks - len(seq.block_table) + (shared and lands_in_last)
@@ -169,8 +153,7 @@ class BlockManager:
                 self.free_block_ids.append(block_id)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past num_tokens (rejected lookahead), to the front of the free queue: never hashed,
-        they go before any block the cache can still hit."""
+        """Free seq's blocks past num_tokens (rejected lookahead): unhashed, to the front of the free queue."""
         keep = -(-num_tokens // self.block_size)  # ceiling division
         tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
         for block_id in tail:

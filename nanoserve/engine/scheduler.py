@@ -1,6 +1,5 @@
-"""The scheduler: who runs in each step. nano-vllm's policy (prefill first, then decode, LIFO preemption by
-recompute), with vLLM V1's token budget under enable_chunked_prefill. Swap and priority (nanoserve/scheduling/)
-subclass it."""
+"""The scheduler: who runs each step. nano-vllm's policy (prefill first, then decode, LIFO preemption by recompute)
+with vLLM V1's token budget (enable_chunked_prefill); swap and priority (nanoserve/scheduling/) subclass it."""
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
@@ -46,8 +45,7 @@ class Scheduler:
             if out.seqs:
                 out.is_prefill = True
                 return
-        # Decode (and with chunked prefill, vLLM V1: running requests first, then waiting ones, one token budget):
-        # each takes min(tokens it has left, budget left); when blocks run out, the newest request gives its KV up.
+        # Decode (with chunked prefill, V1: running requests, then waiting ones, sharing one token budget).
         num_preempted = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if len(out.preempted) == num_preempted:  # a step that had to preempt brings nobody in (V1)
@@ -63,8 +61,7 @@ class Scheduler:
             self._schedule_waiting(out, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting prompts in order: all their blocks, and whole (a cached prefix costs no budget) or, with
-        chunked prefill, a chunk."""
+        """Admit waiting prompts in order, whole (a cached prefix costs no budget) or, with chunked prefill, a chunk."""
         while budget > 0 and (seq := self._next_waiting(out)) is not None:
             if (seq in out.preempted  # one this very step preempted waits: its KV may be in flight
                     or (not self.enable_chunked_prefill and self.block_manager.num_new_tokens(seq) > budget)
@@ -83,8 +80,7 @@ class Scheduler:
         return seq if seq is not None and num_seats(seq) <= self.num_free_seats() else None
 
     def num_free_seats(self) -> int:
-        """max_num_seqs less the running sequences and those that will fork from them."""
-        return self.max_num_seqs - sum(map(num_seats, self.running))
+        return self.max_num_seqs - sum(map(num_seats, self.running))  # (seats include the forks to come)
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
@@ -94,8 +90,7 @@ class Scheduler:
         return num_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule running requests in order, a request's n sequences together; when blocks run out, the newest
-        request gives its KV up (LIFO), or with nobody behind it, this one. Returns the budget left."""
+        """Running requests in order, n sequences together; out of blocks, the newest is preempted (LIFO)."""
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self.running.pop_group()
@@ -133,8 +128,7 @@ class Scheduler:
         return group
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take in a step's tokens in batch order: 1 per sampling sequence, n for a forking prompt, 1 + k after k
-        lookahead tokens, none for raw_logits. Returns each sequence once per token it got."""
+        """Take a step's tokens in (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
         sampled, updated = iter(token_ids), []
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):

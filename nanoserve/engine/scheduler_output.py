@@ -8,9 +8,8 @@ from nanoserve.speculative_config import SpecDecodingStats
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan (vLLM's name): seqs[i] computes num_scheduled_tokens[i] tokens from num_computed_tokens[i]
-    on, sampling if that reaches its end (do_sample[i]). Block copies run before the forward, reads of the device
-    pool (swap-outs, offloads) first. The chapters' fields (swap, host tier, lookahead, beams) stay empty here."""
+    """One step's plan (vLLM's name): seqs[i] computes num_scheduled_tokens[i] tokens from num_computed_tokens[i],
+    sampling if that reaches its end. Block copies run before the forward (reads of the device pool first)."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
@@ -21,12 +20,10 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
-    # The prefix cache's second tier (kv_offload/): evicted cached blocks out, hits back in.
-    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # Those that failed, with why (the executor writes them): a failed load leaves its block without KV.
-    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/: evicted (device, host)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/'s hits back (host, device)
+    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # the executor's, with why
+    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # (a failed load's block has no KV)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
     # What the step's output did, for its record (nanoserve/step_records.py):
@@ -40,9 +37,8 @@ class SchedulerOutput:
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(seq.num_computed_tokens)
         self.do_sample.append(seq.num_computed_tokens + num_tokens == len(seq))
-        # n > 1: the first token is sampled n times, and the request's other sequences fork from this one.
-        prompt_done = self.do_sample[-1] and seq.num_computed_tokens + num_tokens == seq.num_prompt_tokens
-        self.forks.append(seq.group[1:] if prompt_done else [])
+        # n > 1: the prompt's first token is sampled n times, and the request's other sequences fork from this one.
+        self.forks.append(seq.group[1:] if self.do_sample[-1] and len(seq) == seq.num_prompt_tokens else [])
         if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
             self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 

@@ -82,15 +82,12 @@ class Sequence:
 
 
 class Request:
-    """One request (vLLM's name): its prompt, sampling params and its n sequences (SamplingParams.n), each with its
-    detokenizer. EngineCore keeps them by request id; the scheduler sees only the sequences (`seq.group`)."""
+    """One request (vLLM's name): its n sequences (SamplingParams.n), each with a detokenizer."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                  block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0,
                  lora_request: LoRARequest | None = None):
-        self.request_id = request_id
-        self.prompt_token_ids = list(prompt_token_ids)
-        self.sampling_params = sampling_params
+        self.request_id, self.sampling_params = request_id, sampling_params
         self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i,
                               lora_request) for i in range(sampling_params.n)]
         for seq in self.seqs:
