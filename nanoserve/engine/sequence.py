@@ -67,8 +67,7 @@ class Sequence:
 
     @property
     def num_outputs_in_flight(self) -> int:
-        """Outputs before the one the planned step samples still being sampled (async scheduling: 0 or 1)."""
-        return max(self.num_output_placeholders - 1, 0)
+        return max(self.num_output_placeholders - 1, 0)  # async scheduling: 1 while the step before still samples
 
     @property
     def num_blocks(self) -> int:
@@ -88,6 +87,7 @@ class Request:
                  block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0,
                  lora_request: LoRARequest | None = None):
         self.request_id, self.sampling_params = request_id, sampling_params
+        self.prompt_token_ids = list(prompt_token_ids)  # (beam search restarts from it)
         self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i,
                               lora_request) for i in range(sampling_params.n)]
         for seq in self.seqs:
