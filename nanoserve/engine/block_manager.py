@@ -54,7 +54,7 @@ class BlockManager:
         return block_id
 
     def uncache(self, block_ids: list[int] | set[int], offload: bool = False) -> None:
-        """Take blocks out of the prefix cache: reused (offload: KV to the second tier first) or their KV is bad."""
+        """Take blocks out of the prefix cache: handed out anew (offload: KV to the second tier first) or miscopied."""
         for block in (self.blocks[b] for b in block_ids):
             if self.hash_to_block_id.get(block.hash) == block.block_id:
                 del self.hash_to_block_id[block.hash]
@@ -127,7 +127,7 @@ class BlockManager:
         return seq.num_blocks - len(seq.block_table) + (shared and lands_in_last)
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Reserve slots for this step's tokens (once num_new_blocks fit); returns the (source, destination) copy."""
+        """Reserve slots for this step's tokens (once num_new_blocks fit); returns the copy-on-write pair, if any."""
         copies = []
         if self.num_new_blocks(seq) > seq.num_blocks - len(seq.block_table):
             # Copy-on-write: a forked sibling shares the last block and must not see these tokens.

@@ -13,8 +13,7 @@ class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.eos_token_ids = set(config.eos_token_ids)
-        self.block_manager = block_manager
+        self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
         self.seams = Seams() if seams is None else seams  # the engine's: admits, sits_out, accept_lookahead
         self.waiting, self.running = self.queue_class(), self.queue_class()
         self.stats = SchedulerStats()
@@ -42,8 +41,8 @@ class Scheduler:
         if not self.enable_chunked_prefill:
             # Prefill: whole waiting prompts in order; if any was admitted, the step is theirs alone (nano-vllm).
             self._schedule_waiting(out, self.max_num_batched_tokens)
-            if out.seqs:
-                out.is_prefill = True
+            out.is_prefill = bool(out.seqs)
+            if out.is_prefill:
                 return
         # Decode (with chunked prefill, V1: running requests, then waiting ones, sharing one token budget).
         num_preempted = len(out.preempted)

@@ -9,7 +9,8 @@ from nanoserve.speculative_config import SpecDecodingStats
 @dataclass
 class SchedulerOutput:
     """One step's plan (vLLM's name): seqs[i] computes num_scheduled_tokens[i] tokens from num_computed_tokens[i],
-    sampling if that reaches its end. Block copies run before the forward (reads of the device pool first)."""
+    sampling if that reaches its end. Block copies run before the forward, reads of the device pool (swap-outs,
+    offloads) first: a block they free may be a destination. Fields past blocks_to_copy are the chapters'."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
