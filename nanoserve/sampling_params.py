@@ -7,8 +7,8 @@ from nanoserve.structured_outputs import StructuredOutputsParams
 
 # Request options a feature serves (engine/seams.py request_checks), and how to plug it in: a plain engine refuses
 # a request that sets one.
-FEATURE_OPTIONS = {"structured_outputs": "nanoserve.LLM plugs it in", "lora_request": "pass enable_lora=True",
-                   "priority": "it needs scheduling_policy='priority'"}
+FEATURE_OPTIONS = {"priority": "it needs scheduling_policy='priority'", "lora_request": "pass enable_lora=True",
+                   **dict.fromkeys(("structured_outputs", "logprobs", "prompt_logprobs"), "nanoserve.LLM plugs it in")}
 
 
 class RequestOutputKind(Enum):

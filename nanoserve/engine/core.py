@@ -26,7 +26,9 @@ class EngineCore:
         self.executor = (self.seams.executor_class or Executor)(config, self.seams)
         try:  # a failed start ends the executor's workers and process group now (parallel/executor.py)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-            self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors, self.seams.input_batch)
+            self.input_builder = InputBuilder.from_config(config, logits_processors=self.seams.logits_processors,
+                                                          input_batch=self.seams.input_batch,
+                                                          extra_logits_rows=self.seams.extra_logits_rows)
             self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                               config.enable_prefix_caching, self.seams)
             self.scheduler = (self.seams.scheduler_class or Scheduler)(config, self.block_manager, self.seams)
@@ -48,12 +50,9 @@ class EngineCore:
             bad = [t for t in ids if not 0 <= t < vocab_size]
             if bad:  # (an id past the logits would crash the step that masks or matches it)
                 raise ValueError(f"{name}: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab_size:
-                raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
-        options = {"priority": priority or None, "lora_request": lora_request,
-                   "structured_outputs": params.structured_outputs}
-        for name, value in options.items():  # what a feature serves: one must be plugged in, and checks it
+        options = {"priority": priority or None, "lora_request": lora_request}
+        for name in FEATURE_OPTIONS:  # what a feature serves: one must be plugged in, and checks it
+            value = options[name] if name in options else getattr(params, name)
             if value is not None and name not in self.seams.request_checks:
                 raise ValueError(f"{name}: this engine has no feature plugged in for it; {FEATURE_OPTIONS[name]}")
             if value is not None:

@@ -5,13 +5,12 @@ import torch.distributed as dist
 
 from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
-from nanoserve.engine.input_batch import LogprobsPlace, ModelInput, to_device
+from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.seams import Seams
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
 from nanoserve.layers.elementwise_backend import use_elementwise_backend
-from nanoserve.layers.sampler import Sampler, compute_logprobs
+from nanoserve.layers.sampler import Sampler
 from nanoserve.models import load_model
-from nanoserve.outputs import Logprob
 from nanoserve.utils.memory import keep_freed_memory
 
 
@@ -119,36 +118,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """A token id per sampling row, as a device tensor. The logprobs asked for are recorded on their sequences."""
+        """A token id per sampling row, as a device tensor."""
         verify = self.seams.sample  # the seam: speculative decoding's verification instead of a draw
-        return self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
+        sampled = self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
+        for after_sample in self.seams.after_sample:  # the seam: the logprobs asked for (logprobs.py)
+            after_sample(self, logits, sampled, inputs)
+        return sampled
 
     def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """The sampler's token for each sampling row (layers/sampler.py tells which)."""
         num_rows = len(inputs.sample_seq_ids)
         newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None
-        sampled = self.sampler(logits[:num_rows], inputs.sampling, newest)
-        if inputs.logprobs:
-            self.record_logprobs(logits, sampled.tolist(), inputs.logprobs)
-        return sampled
-
-    def record_logprobs(self, logits: torch.Tensor, sampled: list[int], places: list[LogprobsPlace]) -> None:
-        """For each (seq, p, row): score a token under logits[row], with the top k. p None: the token sampled
-        from that row, appended to seq.logprobs; else prompt token p, stored in seq.prompt_logprobs[p]."""
-        token_ids = [sampled[row] if p is None else seq.token_ids[p] for seq, p, row in places]
-        ks = [s.sampling_params.logprobs if p is None else s.sampling_params.prompt_logprobs for s, p, _ in places]
-        scores = compute_logprobs(logits[[row for *_, row in places]], self._tensor(token_ids), max(ks))
-        for (seq, p, _), k, token_id, lp, rank, top_ids, top_lps in zip(places, ks, token_ids,
-                                                                       *(t.tolist() for t in scores)):
-            d = {i: Logprob(x, r) for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k]), 1)}
-            d[token_id] = Logprob(lp, rank)
-            if p is None:
-                seq.logprobs.append(d)
-            else:
-                seq.prompt_logprobs[p] = d
-
-    def _tensor(self, data: list) -> torch.Tensor:
-        return to_device(data, torch.int64, self.device)
+        return self.sampler(logits[:num_rows], inputs.sampling, newest)
 
     def apply(self, fn: Callable, *args) -> object:
         """fn(self, *args): a feature's work on this rank's model (`executor.call("apply", fn, ...)` runs it on

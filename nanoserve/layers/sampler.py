@@ -123,12 +123,3 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
             noise[i] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
     return (probs / noise).argmax(dim=-1)
 
-
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> tuple[torch.Tensor, ...]:
-    """Of the raw model distribution (before penalties and temperature: vLLM's default): each row's logprob of
-    its token and that token's rank (1 = most likely), and the row's num_logprobs most likely tokens."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    token_logprobs = logprobs.gather(1, token_ids[:, None])
-    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    return token_logprobs.squeeze(1), ranks, top_ids, top_logprobs
