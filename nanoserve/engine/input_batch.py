@@ -35,8 +35,8 @@ class StepArrays:
     logits_rows: list[int] = field(default_factory=list)  # per sampling row, the batch row it samples from
     raw_rows: list[int] = field(default_factory=list)  # the same for requests that pick their own (raw_logits)
     params: dict[str, list] | None = None  # per name of PARAMS, a value per sampling row (None: read them here)
-    placeholder_rows: list[int] = field(default_factory=list)  # async scheduling: tokens the step before is...
-    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...still sampling, of these sequences
+    placeholder_rows: list[int] = field(default_factory=list)  # async scheduling: rows the step before still...
+    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...samples, for these sequences
 
 
 @dataclass
@@ -51,9 +51,9 @@ class ModelInput:
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
-    raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits), after the sampled ones
-    placeholder_rows: list[int] = field(default_factory=list)  # rows of input_ids the step before still samples...
-    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...for these sequences (async scheduling)
+    raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits)
+    placeholder_rows: list[int] = field(default_factory=list)  # as in StepArrays
+    placeholder_seq_ids: list[int] = field(default_factory=list)
     extras: dict[str, object] = field(default_factory=dict)  # a feature's state for its logits rows (seam 19)
 
 
@@ -72,19 +72,19 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
-    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # a seam (engine/seams.py)
-    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None  # a seam: None, the plain loops (flatten)
-    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)  # a seam
+    # The seams (engine/seams.py); input_batch None: the plain loops (flatten).
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None
+    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
 
     @classmethod
     def from_config(cls, config: Config, **seams) -> "InputBuilder":
-        """seams: the engine's logits_processors, input_batch, extra_logits_rows (engine/seams.py)."""
         return cls(config.block_size, config.hf_config.vocab_size, config.eos_token_ids, torch.device(config.device),
                    **seams)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
-        """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
-        the rows whose logits are needed: the last one of each sequence that samples."""
+        """The tokens each sequence computes this step as one batch, with their cache slots, and the rows whose
+        logits are needed: the last one of each sequence that samples."""
         if not out.seqs:  # everyone was preempted this step
             return None
         step = (self.input_batch or self.flatten)(out)
@@ -97,7 +97,7 @@ class InputBuilder:
         raw_rows = list(range(len(step.logits_rows), len(logits_rows)))
         for name, extra_rows in self.extra_logits_rows.items():  # the seam: e.g. the prompt logprobs' rows
             more, extras[name] = extra_rows(out, rows, len(logits_rows))
-            logits_rows = logits_rows + more
+            logits_rows += more
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
             meta=meta, logits_rows=self._tensor(logits_rows, torch.int64),
@@ -140,8 +140,8 @@ class InputBuilder:
             max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()))
 
     def prepare_sampling(self, rows: list[SamplingRow], params: dict[str, list] | None = None) -> SamplingMetadata:
-        """The sampler's inputs, one row per sampling row; an option no row uses is None. Row (seq, j) counts seq's
-        first j lookahead tokens as output already (penalties, min_tokens)."""
+        """The sampler's inputs, an option no row uses None. Row (seq, j) counts seq's first j lookahead tokens as
+        output already (penalties, min_tokens)."""
         if params is None:
             params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows] for name in PARAMS}
         used = {name for name, unused in PARAMS.items() if (np.asarray(params[name]) != unused).any()}
@@ -183,8 +183,7 @@ class InputBuilder:
         return to_device(data, dtype, self.device)
 
     def _padded(self, rows: list[list[int]], pad: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """Rows of unequal length as one tensor, padded with `pad` (numpy fills rows far faster than
-        torch.tensor converts a list of lists)."""
+        """Rows of unequal length as one tensor, padded with `pad` (numpy: far faster than torch.tensor)."""
         table = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
         for i, row in enumerate(rows):
             table[i, : len(row)] = row
