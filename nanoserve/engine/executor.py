@@ -8,7 +8,6 @@ from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
-from nanoserve.layers.attention import AttentionMetadata
 
 
 class Executor:
@@ -28,16 +27,12 @@ class Executor:
         if out.blocks_to_copy:  # copy-on-write, inside the device pool
             self.call("copy_blocks", out.blocks_to_copy)
         if self.seams.propose is not None:  # the seam before the forward: a draft model fills the lookahead slots
-            inputs = self.seams.propose(out, inputs, self.run_draft)
+            inputs = self.seams.propose(out, inputs, lambda *args: self.call("run_model", *args, True))  # draft=True
         if inputs is None:  # everyone was preempted
             return None, None
         for prepare in self.seams.before_forward:  # the seam: e.g. async scheduling's placeholders, LoRA's rows
             prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
-
-    def run_draft(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  rows: torch.Tensor) -> torch.Tensor | None:
-        return self.call("run_model", input_ids, positions, meta, rows, True)  # draft=True: speculative decoding
 
     def finish(self, out: SchedulerOutput, inputs: ModelInput | None, logits: torch.Tensor | None) -> torch.Tensor:
         """The sampled ids. The rows of requests that pick their own tokens go back with the plan (out.raw_logits)."""
