@@ -92,6 +92,11 @@ class Seams:
     # 18. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
     #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
     input_batch: Callable | None = None
+    # 19. More logits rows (InputBuilder.prepare_inputs), by feature: (plan, sampling rows, the first free logits
+    #     row) -> (batch rows whose logits it wants too, its state, kept in ModelInput.extras[name]) (logprobs.py).
+    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
+    # 20. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
+    after_sample: list[Callable] = field(default_factory=list)
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)
