@@ -190,7 +190,7 @@ def test_the_host_tier_is_refused_with_a_window(models):
 
 
 def test_the_trace_shows_the_blocks_freed_behind_the_window(models):
-    from nanoserve.tools.trace import format_trace
+    from nanoserve.tools.step_table import format_trace
 
     llm = LLM(models["mistral"], block_size=BLOCK_SIZE, num_kvcache_blocks=64, trace=True)
     llm.generate([max(PROMPTS, key=len)], GREEDY, use_tqdm=False)

@@ -1,6 +1,6 @@
 """Paged attention in Triton: the GPU path that needs no flash-attn, and a lesson in how paged kernels work.
 
-Two kernels, with the same contract as `torch_paged_attention` (attention.py):
+Two kernels, with the same contract as `torch_paged_attention` (torch_attention.py):
 
 1. `store_kvcache_kernel` writes this step's K and V into the paged cache: one program per new token,
    which copies the token's kv_heads x head_dim values to the cache slot that `slot_mapping` names.
@@ -21,7 +21,7 @@ import triton.language as tl
 
 @triton.jit
 def to_cache(x, cache_ptr, FP8: tl.constexpr):
-    """x as the cache stores it: an fp8 cache's values saturate at +-448 (FP8_MAX in attention.py), then round."""
+    """x as the cache stores it: an fp8 cache's values saturate at +-448 (FP8_MAX in torch_attention.py), then round."""
     if FP8:
         x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
     return x.to(cache_ptr.dtype.element_ty)

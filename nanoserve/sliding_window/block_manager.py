@@ -26,11 +26,8 @@ class SlidingWindowBlockManager(BlockManager):
         self.sliding_window = sliding_window
         self.free_block_ids.remove(NULL_BLOCK)
         self.blocks[NULL_BLOCK].ref_count = 1  # pinned: the entries that name it are no references
+        self.num_blocks -= 1  # the null block is no block of the pool's
         self.num_freed_behind_window = 0  # blocks handed back so far (the step records show it)
-
-    @property
-    def num_blocks(self) -> int:
-        return len(self.blocks) - 1  # the null block is no block of the pool's
 
     def first_needed_block(self, seq: Sequence) -> int:
         """The next token to compute sits at num_computed_tokens and sees back to num_computed_tokens - W + 1:
