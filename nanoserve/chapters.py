@@ -35,6 +35,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.kv_offload import plug_in as plug_in_host_tier
 
         plug_in_host_tier(engine)
+    if config.kv_transfer_config is not None:  # disaggregated prefill: kv_transfer/
+        from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
+
+        plug_in_kv_transfer(engine)
     if config.enable_lora:  # LoRA adapters: lora/
         from nanoserve.lora import LoRAManager
 

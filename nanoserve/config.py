@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from nanoserve.kv_transfer_config import KVTransferConfig
 from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
 from nanoserve.utils.backends import build_cpu_kernels, pick_attention_backend, pick_elementwise_backend
@@ -97,6 +98,7 @@ class Config:
     max_loras: int = 1  # adapters one step may use: their A and B weights sit in as many slots on the device
     max_lora_rank: int = 16  # the largest rank an adapter may have (the slots' size)
     max_cpu_loras: int | None = None  # adapters kept read in host memory, least recently used evicted; None: max_loras
+    kv_transfer_config: dict | KVTransferConfig | None = None  # disaggregated prefill (docs/disaggregated.md)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -168,6 +170,8 @@ class Config:
             validate_lora_options(self)
         if self.speculative_config is not None:
             self._validate_speculative_config()
+        if self.kv_transfer_config is not None:  # its own keys; the chapter checks what it needs of the engine
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")

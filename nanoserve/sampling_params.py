@@ -6,7 +6,7 @@ from enum import Enum
 from nanoserve.structured_outputs import StructuredOutputsParams
 
 # Fields a feature serves (engine/seams.py request_options): a plain engine refuses a request that sets one.
-FEATURE_FIELDS = ("structured_outputs",)
+FEATURE_FIELDS = ("structured_outputs", "kv_transfer_params")
 
 
 class RequestOutputKind(Enum):
@@ -40,6 +40,7 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # the output matches a schema, regex, choice, grammar
+    kv_transfer_params: dict | None = None  # disaggregated prefill: send or receive the prompt's KV (kv_transfer/)
 
     def __post_init__(self) -> None:
         for name, (kind, interval) in LIMITS.items():

@@ -42,9 +42,8 @@ class Scheduler:
         num_batched_tokens = 0
         while not self.swapped and (seq := self._next_waiting(out)) is not None:
             num_new_tokens = self.block_manager.num_new_tokens(seq)  # a cached prefix costs no budget
-            if num_batched_tokens + num_new_tokens > self.max_num_batched_tokens or seq in out.preempted:
-                break
-            if not self.block_manager.allocate(seq):
+            over_budget = num_batched_tokens + num_new_tokens > self.max_num_batched_tokens
+            if over_budget or seq in out.preempted or not self.block_manager.allocate(seq):
                 break
             num_batched_tokens += num_new_tokens
             self._admit(seq)
@@ -58,10 +57,11 @@ class Scheduler:
         return self._commit(out)
 
     def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
-        """The plan counts as done (V1): a step planned before this one is back starts where it ends (async). It
-        takes the copies to and from the prefix cache's second tier that its allocations asked for."""
+        """The plan counts as done (V1): a step planned before this one is back starts where it ends (async)."""
         self.stats.num_prefill_steps += out.is_prefill
-        out.blocks_to_offload, out.blocks_to_load = self.block_manager.take_tier_copies()
+        out.blocks_to_offload, out.blocks_to_load = self.block_manager.take_tier_copies()  # the second tier's
+        if self.seams.kv_connector is not None:  # the loads and saves of KV from or for another engine (kv_transfer/)
+            out.kv_connector_metadata = self.seams.kv_connector.build_connector_meta(out)
         for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
             seq.num_computed_tokens += num_tokens
             seq.num_output_placeholders += do_sample

@@ -35,6 +35,7 @@ class SchedulerOutput:
     # Those of them that failed, with why (written by the executor): a failed load leaves its block without KV.
     failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
     failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
+    kv_connector_metadata: object = None  # the step's KV loads and saves for another engine (seams.kv_connector)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
     # What the step's output did, written as it is taken in, for the step's record (nanoserve/step_records.py):

@@ -37,6 +37,18 @@ class KVCacheTier(Protocol):
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The step's (device, tier) copies out and (tier, device) copies in, in the order made; the books reset."""
 
+class KVConnector(Protocol):
+    """The scheduler's side of a KV connector (vLLM's KVConnectorBase_V1; kv_transfer/: disaggregated prefill):
+    prompt KV another engine computed is loaded instead of computed. Its worker side (vLLM's start_load_kv and
+    wait_for_save) rides the before_forward and after_step seams, whole blocks at a time."""
+
+    def update_state_after_alloc(self, seq: Sequence) -> None:
+        """seq got its blocks, num_computed_tokens of them cached: the connector counts more of its prompt as
+        computed (vLLM's get_num_new_matched_tokens) and notes the KV to load into its blocks, this step."""
+
+    def build_connector_meta(self, out: SchedulerOutput) -> object:
+        """The step's loads and saves, carried in its plan to the worker side (out.kv_connector_metadata)."""
+
 
 @dataclass
 class Seams:
@@ -77,6 +89,9 @@ class Seams:
     # 12. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
     kv_cache_tier: KVCacheTier | None = None
+    # 13. KV from another engine (disaggregated prefill: kv_transfer/): a prompt's KV loaded instead of computed
+    #    (BlockManager.allocate), and kept for the other engine after the forward (Executor.launch). None: none.
+    kv_connector: KVConnector | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)
