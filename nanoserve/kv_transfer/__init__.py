@@ -9,9 +9,9 @@ before_forward and after_step (the KV into the consumer's blocks, out of the pro
 travels over a torch.distributed process group of the two engines (pipe.py).
 """
 from nanoserve.engine.core import EngineCore
-from nanoserve.kv_transfer.connector import KVTransferStats, P2pConnector
+from nanoserve.kv_transfer.connector import KVTransferStats, P2pConnector, check_params
 
-__all__ = ["plug_in", "KVTransferStats", "P2pConnector"]
+__all__ = ["plug_in", "check_request", "remote_prefill_params", "KVTransferStats", "P2pConnector"]
 
 
 def plug_in(engine: EngineCore) -> P2pConnector:
@@ -29,3 +29,21 @@ def plug_in(engine: EngineCore) -> P2pConnector:
         engine.seams.after_step.append(connector.wait_for_save)
     engine.seams.features["kv_transfer"] = connector
     return connector
+
+
+def check_request(engine: EngineCore, params: dict) -> None:
+    """What the server asks before queueing a request with kv_transfer_params: a ValueError naming the key."""
+    connector = engine.seams.features.get("kv_transfer")
+    if connector is None:
+        raise ValueError("kv_transfer_params: this server has no kv_transfer_config (start it with "
+                         "--kv-transfer-config)")
+    check_params(params, connector.config)
+
+
+def remote_prefill_params(engine: EngineCore, params: dict | None) -> dict | None:
+    """The kv_transfer_params a producer answers a {"do_remote_decode": true} request with, for the consumer (vLLM's
+    shape): where its blocks are. None for any other request."""
+    if not params or not params.get("do_remote_decode"):
+        return None
+    config = engine.config.kv_transfer_config
+    return {"do_remote_prefill": True, "remote_host": config.kv_ip, "remote_port": config.kv_port}
