@@ -43,7 +43,9 @@ def pair(converted, tmp_path_factory):
     kv_port = free_port()
     processes = []
     try:
-        prefill, p = start_server([str(converted[1]), *FLAGS, *kv_flag("kv_producer", kv_port)], logs / "prefill.log")
+        # The prefill instance cuts prompts into chunks of 32 tokens (chunked prefill on the producer).
+        prefill, p = start_server([str(converted[1]), *FLAGS, *kv_flag("kv_producer", kv_port), "--dashboard",
+                                   "--enable-chunked-prefill", "--max-num-batched-tokens", "32"], logs / "prefill.log")
         processes.append(p)
         decode, p = start_server([str(converted[1]), *FLAGS, *kv_flag("kv_consumer", kv_port), "--dashboard"],
                                  logs / "decode.log")
@@ -130,10 +132,19 @@ def test_errors_pass_through(client, pair):
     assert answer.status_code == 400 and "kv_role is kv_consumer" in answer.json()["error"]["message"]
 
 
-def test_the_dashboard_shows_blocks_received_and_sent(client, pair):
+def engine_state(url: str) -> dict:
+    """The engine state the dashboard's first event carries."""
+    with httpx.stream("GET", f"{url}/debug/steps", timeout=30) as response:
+        event = next(line for line in response.iter_lines() if line.startswith("data:") and '"engine"' in line)
+    return json.loads(event[5:])["engine"]
+
+
+def test_the_dashboards_show_blocks_sent_and_received(client, pair):
     client.completions.create(model="smollm2", prompt=PROMPTS[0] * 5, max_tokens=2, temperature=0)
-    with httpx.stream("GET", f"{pair[2]}/debug/steps", timeout=30) as response:
-        lines = response.iter_lines()
-        event = next(line for line in lines if line.startswith("data:") and '"engine"' in line)
-    kv = json.loads(event[5:])["engine"]["kv_transfer"]
-    assert kv["kv_role"] == "kv_consumer" and kv["num_received_blocks"] > 0 and kv["num_failed_transfers"] == 0
+    prefill, decode = engine_state(pair[1]), engine_state(pair[2])
+    assert prefill["kv_transfer"]["kv_role"] == "kv_producer" and prefill["kv_transfer"]["num_sent_blocks"] > 0
+    assert prefill["stats"]["num_chunked_prefills"] > 0  # the long prompts were cut into chunks there
+    received = decode["kv_transfer"]
+    assert received["kv_role"] == "kv_consumer" and received["num_failed_transfers"] == 0
+    # (The prefill instance's page reads its engine after each step: the pull of the last prompt came later.)
+    assert 0 < prefill["kv_transfer"]["num_sent_blocks"] < received["num_received_blocks"]
