@@ -38,7 +38,7 @@ def kv_flag(role: str, port: int) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pair(converted, tmp_path_factory):
-    """(proxy URL, prefill URL, decode URL): the three processes, stopped at the end."""
+    """(proxy URL, prefill URL, decode URL, [prefill, decode, proxy processes]), stopped at the end."""
     logs = tmp_path_factory.mktemp("disaggregated")
     kv_port = free_port()
     processes = []
@@ -66,7 +66,7 @@ def pair(converted, tmp_path_factory):
                 pass
             assert time.monotonic() < deadline, (logs / "proxy.log").read_text()
             time.sleep(0.2)
-        yield proxy, prefill, decode
+        yield proxy, prefill, decode, processes
     finally:
         for process in processes:
             process.terminate()
@@ -148,3 +148,22 @@ def test_the_dashboards_show_blocks_sent_and_received(client, pair):
     assert received["kv_role"] == "kv_consumer" and received["num_failed_transfers"] == 0
     # (The prefill instance's page reads its engine after each step: the pull of the last prompt came later.)
     assert 0 < prefill["kv_transfer"]["num_sent_blocks"] < received["num_received_blocks"]
+
+
+def test_a_killed_prefill_instance(client, pair, llm):
+    """(Last: it kills the prefill instance.) The proxy answers 502 in OpenAI's shape; the decode instance, asked
+    directly, finds the pipe down, computes the prompt itself and answers as one engine, every block freed after."""
+    proxy, prefill, decode, processes = pair
+    processes[0].kill()
+    processes[0].wait(30)
+    with pytest.raises(openai.InternalServerError) as failed:
+        client.completions.create(model="smollm2", prompt="Hi", max_tokens=4)
+    assert failed.value.status_code == 502 and "prefill instance" in failed.value.body["message"]
+    expected = llm.generate(PROMPTS[1], GREEDY, use_tqdm=False)[0].outputs[0].text
+    answer = httpx.post(f"{decode}/v1/completions", timeout=60, json={
+        "prompt": PROMPTS[1], "max_tokens": 16, "temperature": 0, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # computed here
+    state = engine_state(decode)
+    assert state["kv_transfer"]["num_failed_transfers"] == 1 and state["kv_transfer"]["error"]
+    assert all(ref_count == 0 for ref_count, _, _ in state["blocks"])  # no block leaked
