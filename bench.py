@@ -327,8 +327,18 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     )
 
 
+STARTED = perf_counter()
+
+
+def progress(message: str) -> None:
+    """A line as each long phase starts or moves on: a run of several minutes must not sit silent."""
+    print(f"bench: {message} ({perf_counter() - STARTED:.0f} s in)", flush=True)
+
+
 def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto",
                     loras: list[LoRARequest | None] | None = None, **options) -> dict:
+    shown = [f"{name}={value}" for name, value in options.items() if value is not None]
+    progress(f"nanoserve {dtype}{' with ' + ', '.join(shown) if shown else ''}: {len(prompts)} prompts")
     options.setdefault("attention_backend", args.attention_backends[0])
     options.setdefault("elementwise_backend", args.elementwise_backends[0])
     options.setdefault("kv_cache_dtype", args.kv_cache_dtypes[0])
@@ -722,7 +732,9 @@ def run_multi_turn(path: str, args, conversations: list[list[list[int]]], output
     engine, before = llm.engine, replace(llm.stats)
     histories, answers, ttft = [[] for _ in conversations], [], []
     start = perf_counter()
+    label = "host tier on" if options.get("kv_offloading_size") else "host tier off"
     for turn in range(args.turns):
+        progress(f"multi-turn, {label}: turn {turn + 1} of {args.turns}, {len(conversations)} conversations")
         for i, conversation in enumerate(conversations):
             prompt, tokens = histories[i] + conversation[turn], []
             sent = perf_counter()
@@ -827,7 +839,8 @@ def main(argv=None) -> dict:
             for name, reason in skipped.items():
                 print(f"{name}: skipped, {reason}")
             run = [name for name in args.peers if name not in skipped]
-            peers = {name: PEERS[name](path, args, prompts, output_lens) for name in run if name != "llama.cpp"}
+            peers = {name: progress(f"{name}: {len(prompts)} prompts") or PEERS[name](path, args, prompts, output_lens)
+                     for name in run if name != "llama.cpp"}
             for dtype in args.dtypes:
                 results[nanoserve_name(dtype, args)] = bench_nanoserve(path, args, prompts, output_lens, dtype)
             first = results[nanoserve_name(args.dtypes[0], args)]
@@ -847,6 +860,7 @@ def main(argv=None) -> dict:
                       f"({off['tpot_p50_ms'] / on['tpot_p50_ms']:.2f}x), acceptance rate "
                       f"{on['acceptance_rate']:.1%}, mean acceptance length {on['mean_acceptance_length']:.2f}")
             if "llama.cpp" in run:
+                progress(f"llama.cpp: {len(prompts)} prompts")
                 peers["llama.cpp"] = bench_llama_cpp(args, prompts, output_lens)
             nano = results[nanoserve_name(args.dtypes[0], args)]
             fastest = max(results, key=lambda name: results[name]["tokens_per_s"])

@@ -12,6 +12,7 @@ from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
+from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.seams import Seams
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
@@ -26,7 +27,19 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
 
         seams.executor_class = MultiprocExecutor
-    engine = EngineCore(config, seams)
+    seams.scheduler_class = scheduler_class(config)
+    if config.scheduling_policy == "priority":  # generate(..., priority=[...]): scheduling/priority.py
+        from nanoserve.scheduling.priority import check_priority
+
+        seams.request_checks["priority"] = check_priority
+    engine_class = EngineCore
+    if config.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
+        from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
+    engine = engine_class(config, seams)
+    if config.preemption_mode == "swap":  # the swap pool in host memory: scheduling/swap.py
+        from nanoserve.scheduling.swap import plug_in as plug_in_swap
+
+        plug_in_swap(engine)
     if config.speculative_config is not None:  # speculative decoding: spec_decode/
         from nanoserve.spec_decode import plug_in
 
@@ -48,8 +61,24 @@ def build_engine(config: Config) -> EngineCore:
     # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,
     # and from stopping tensor-parallel workers, at once.)
     weak = weakref.proxy(engine)
+    seams.request_checks["structured_outputs"] = lambda spec: None  # (SamplingParams checked it; compiled at add)
     seams.request_options["structured_outputs"] = lambda request: structured_output_manager(weak).add_request(request)
     return engine
+
+
+def scheduler_class(config: Config) -> type | None:
+    """The core's Scheduler with the chapters the config asks for (scheduling/): each subclass overrides what its
+    design changes, and together they compose (priority with swap). None: the core's own."""
+    chapters = []
+    if config.scheduling_policy == "priority":
+        from nanoserve.scheduling.priority import PriorityScheduler
+
+        chapters.append(PriorityScheduler)
+    if config.preemption_mode == "swap":
+        from nanoserve.scheduling.swap import SwapScheduler
+
+        chapters.append(SwapScheduler)
+    return type("Scheduler", (*chapters, Scheduler), {}) if chapters else None
 
 
 def structured_output_manager(engine: EngineCore):

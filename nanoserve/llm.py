@@ -44,6 +44,14 @@ def prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
     return [prompts] if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)) else prompts
 
 
+def one_per_prompt(name: str, value, num_prompts: int) -> list:
+    """An argument given once for every prompt, or as a list with one per prompt."""
+    values = value if isinstance(value, list) else [value] * num_prompts
+    if len(values) != num_prompts:
+        raise ValueError(f"{name}: got {len(values)} for {num_prompts} prompts")
+    return values
+
+
 def prompt_text(prompt: Prompt) -> str | None:
     text = prompt.get("prompt") if isinstance(prompt, dict) else prompt
     return text if isinstance(text, str) else None
@@ -71,16 +79,9 @@ class LLM:
         """priority (scheduling_policy="priority"): one per prompt; lower values are served first. lora_request
         (enable_lora=True): the adapter for every prompt, or one per prompt (None: the base model)."""
         prompts = prompt_list(prompts)
-        if not isinstance(sampling_params, list):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"sampling_params: got {len(sampling_params)} for {len(prompts)} prompts")
-        priority = [0] * len(prompts) if priority is None else list(priority)
-        if len(priority) != len(prompts):
-            raise ValueError(f"priority: got {len(priority)} for {len(prompts)} prompts")
-        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
-        if len(loras) != len(prompts):
-            raise ValueError(f"lora_request: got {len(loras)} for {len(prompts)} prompts")
+        sampling_params = one_per_prompt("sampling_params", sampling_params or SamplingParams(), len(prompts))
+        priority = one_per_prompt("priority", priority or 0, len(prompts))
+        loras = one_per_prompt("lora_request", lora_request, len(prompts))
         token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         for request in zip(token_ids, sampling_params, priority, loras):  # all checked before any is queued
             self.engine.check_request(*request)
@@ -106,7 +107,7 @@ class LLM:
         pbar = tqdm(total=len(states), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         finals, num_tokens, start = {}, 0, perf_counter()
         while self.engine.has_unfinished_requests():
-            for out in self.engine.step_fn():
+            for out in self.engine.step():
                 if out.error is not None:
                     raise out.error
                 num_tokens += len(out.new_token_ids)

@@ -5,8 +5,11 @@ from enum import Enum
 
 from nanoserve.structured_outputs import StructuredOutputsParams
 
-# Fields a feature serves (engine/seams.py request_options): a plain engine refuses a request that sets one.
-FEATURE_FIELDS = ("structured_outputs", "kv_transfer_params")
+# Request options a feature serves (engine/seams.py request_checks), and how to plug it in: a plain engine refuses
+# a request that sets one.
+FEATURE_OPTIONS = {"structured_outputs": "nanoserve.LLM plugs it in", "lora_request": "pass enable_lora=True",
+                   "priority": "it needs scheduling_policy='priority'",
+                   "kv_transfer_params": "it needs a kv_transfer_config (docs/disaggregated.md)"}
 
 
 class RequestOutputKind(Enum):

@@ -79,7 +79,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
     tier = bm.seams.kv_cache_tier  # kv_offload/'s HostKVTier, if plugged in
-    named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *scheduler.swapped]
+    swapped_queue = getattr(scheduler, "swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
+    named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *swapped_queue]
     return StepRecord(
         step=step, kind=kind, scheduled=scheduled,
         recomputed=[seq.seq_id for seq, s in zip(out.preempted, swapped) if not s],
@@ -88,7 +89,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         finished=[seq.seq_id for seq in updated if seq.is_finished],
         waiting=[seq.seq_id for seq in scheduler.waiting],
         running=[seq.seq_id for seq in scheduler.running],
-        swapped=[seq.seq_id for seq in scheduler.swapped],
+        swapped=[seq.seq_id for seq in swapped_queue],
         num_used_blocks=bm.num_blocks - bm.num_free_blocks,
         num_cached_blocks=sum(bm.blocks[i].ref_count == 0 and bm.blocks[i].hash == h
                               for h, i in bm.hash_to_block_id.items()),

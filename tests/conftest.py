@@ -43,6 +43,18 @@ ARCHS = list(CONFIGS)
 ROOMY_POOL = dict(num_kvcache_blocks=1024)
 
 
+def pytest_configure(config):
+    """Build (or load) the C++ CPU kernels once, here, in the process that starts pytest-xdist's workers and before
+    it starts them: workers and the scripts they run (servers, example.py, benchmarks) then load what is built,
+    none waits behind another's build, and none is killed midway by a test's timeout. The build goes into the
+    cache the tests use (NANOSERVE_CACHE); a test that kills a build uses a cache of its own."""
+    if hasattr(config, "workerinput") or config.option.collectonly:  # an xdist worker, or nothing will run
+        return
+    from nanoserve.utils.backends import build_cpu_kernels
+
+    build_cpu_kernels("auto", "auto", "cpu", "float32")  # (where one cannot build, "auto" runs PyTorch's path)
+
+
 @pytest.fixture(autouse=True)
 def keep_num_threads():
     """A multi-rank LLM gives rank 0 a share of the cores (torch.set_num_threads) until it shuts down, and a
@@ -175,7 +187,7 @@ def start_server(args: list[str], log: Path, env: dict | None = None) -> tuple[s
         process = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env or dict(os.environ),
                                    stdout=out, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
+    deadline = time.monotonic() + 300  # (a bound only a hang reaches: a loaded 2-core machine took 166 s)
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
@@ -186,3 +198,20 @@ def start_server(args: list[str], log: Path, env: dict | None = None) -> tuple[s
             process.kill()
             pytest.fail(f"the server did not start:\n{log.read_text()}")
         time.sleep(0.2)
+
+
+def make_scheduler(config, block_manager, host_block_manager=None, seams=None):
+    """The scheduler an engine with `config` has (the core's, or with the swap and priority chapters:
+    nanoserve/chapters.py), over these pools, with speculative decoding's rollback when the config asks for it."""
+    from nanoserve.chapters import scheduler_class
+    from nanoserve.engine.block_manager import BlockManager
+    from nanoserve.engine.scheduler import Scheduler
+    from nanoserve.engine.seams import Seams
+    from nanoserve.spec_decode.accounting import accept_run
+
+    seams = Seams() if seams is None else seams
+    seams.accept_lookahead = seams.accept_lookahead or accept_run
+    scheduler = (scheduler_class(config) or Scheduler)(config, block_manager, seams)
+    if config.preemption_mode == "swap":
+        scheduler.host_block_manager = host_block_manager or BlockManager(0, config.block_size, False)
+    return scheduler

@@ -315,7 +315,7 @@ def act_out(bm: BlockManager, seqs: list[Sequence], out: BeamStepOutput,
     copies = []
     for seq, child in zip(children, out.children):
         seq.append_token(child.token_id)
-        assert bm.can_append(seq)
+        assert bm.num_new_blocks(seq) <= bm.num_free_blocks
         copies += bm.may_append(seq)
     return children, copies
 

@@ -33,7 +33,7 @@ def config_only(tmp_path_factory) -> str:
 def run_bench(model: str, json_path: Path, *flags: str) -> dict:
     cmd = [sys.executable, "bench.py", "--model", model, "--random-weights", *TINY_WORKLOAD,
            "--json", str(json_path), *flags]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
     return json.loads(json_path.read_text())
 
 
@@ -70,7 +70,7 @@ def test_quick_workload_against_transformers(config_only, tmp_path):
     """--quick: its 16 prompts (on the tiny model: seconds), figures and the ratio against transformers."""
     cmd = [sys.executable, "bench.py", "--model", config_only, "--random-weights", "--quick",
            "--json", str(tmp_path / "bench.json")]
-    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True, text=True).stdout
+    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True).stdout
     report = json.loads((tmp_path / "bench.json").read_text())
     assert report["scenario"] == "quick" and report["workload"]["num_prompts"] == 16
     assert report["workload"]["input_len"] == [32, 256] and report["workload"]["output_len"] == [32, 128]
@@ -79,6 +79,19 @@ def test_quick_workload_against_transformers(config_only, tmp_path):
     ratio = report["ratios"]["nanoserve auto / transformers"]
     assert ratio == pytest.approx(nano["tokens_per_s"] / hf["tokens_per_s"])
     assert "nanoserve auto / transformers:" in out
+    assert re.search(r"^bench: transformers: 16 prompts \(\d+ s in\)$", out, re.M)  # progress, phase by phase
+    assert re.search(r"^bench: nanoserve auto(?: with .*)?: 16 prompts \(\d+ s in\)$", out, re.M)
+
+
+def test_multi_turn_says_each_turn_as_it_goes(config_only, tmp_path):
+    """--multi-turn ran for minutes without a word: each turn of each pass now says so."""
+    cmd = [sys.executable, "bench.py", "--model", config_only, "--random-weights", "--multi-turn", "--num-prompts",
+           "8", "--turns", "2", "--input-len", "32", "48", "--output-len", "8", "16", "--json", str(tmp_path / "j")]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, capture_output=True, text=True).stdout
+    for label in ("host tier off", "host tier on"):
+        for turn in (1, 2):
+            assert re.search(rf"^bench: multi-turn, {label}: turn {turn} of 2, 8 conversations \(\d+ s in\)$",
+                             out, re.M), out
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
@@ -88,7 +101,7 @@ def test_llama_cpp_peer(tmp_path):
     """llama.cpp on the demo model's GGUF: the same requests, the quantization reported."""
     cmd = [sys.executable, "bench.py", "--peer", "llama.cpp", "--num-prompts", "2", "--input-len", "4", "8",
            "--output-len", "2", "4", "--json", str(tmp_path / "bench.json")]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=300)
+    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
     report = json.loads((tmp_path / "bench.json").read_text())
     llama = report["results"]["llama.cpp (Q4_1)"]
     assert llama["quantization"] == "Q4_1" and llama["output_tokens"] == report["workload"]["output_tokens"]

@@ -225,6 +225,10 @@ SERVER_FLAGS = ["--dashboard", "--api-key", API_KEY, "--num-kvcache-blocks", "12
                 "--preemption-mode", "swap", "--swap-space", "0.005", "--max-model-len", "256",
                 "--shutdown-timeout", "60", "--uvicorn-log-level", "warning"]
 BROWSER = shutil.which("chromium")
+# On each browser test (a mark on a fixture or helper is ignored by pytest: the test would fail, not skip);
+# tests/test_suite.py runs them with no chromium on PATH and checks that every one is skipped.
+needs_browser = pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) "
+                                   "to run it")
 BROWSER_ARGS = ["--no-sandbox", "--headless", "--disable-gpu", "--disable-background-networking",
                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 
@@ -287,7 +291,7 @@ def scrape(server: Server) -> dict[str, float]:
     return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+@needs_browser
 def test_page_in_a_browser(server, tmp_path):
     """Headless Chromium on the page while four requests run on a tiny pool. P2 shares P1's 48-token prompt
     prefix (a hit, 3 shared blocks); four requests need more blocks than there are, so one is swapped out. What
@@ -378,7 +382,7 @@ def read_steps(url: str, steps: list[dict]) -> None:
                 steps += json.loads(line.removeprefix("data: "))["steps"]
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+@needs_browser
 def test_page_shows_speculative_tokens(converted, tmp_path):
     """A server started with --speculative-config (n-gram), two requests that repeat a sentence (drafts pass) and
     one story (drafts mostly fail): the cells' drafts bars, each agreeing with its step's records, some green; the
@@ -426,7 +430,6 @@ def test_page_shows_speculative_tokens(converted, tmp_path):
     assert "draft tokens accepted" in legend and "draft tokens rejected" in legend and "draft tokens" in title
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
 @contextlib.contextmanager
 def page_fed(body: str):
     """The dashboard page in headless Chromium, its step stream a canned `body`: (page, the page's JS errors)."""
@@ -443,6 +446,7 @@ def page_fed(body: str):
         browser.close()
 
 
+@needs_browser
 def test_page_shows_beams_forking(tiny_models, tmp_path):
     """The page fed the records of a real beam search (two requests, 3 beams each; the server has no beam search
     yet, so Playwright serves the page and one recorded stream, and nothing goes to the network): a fork line for
@@ -481,6 +485,7 @@ def test_page_shows_beams_forking(tiny_models, tmp_path):
     assert shared == [str(ref) for ref, _, _ in states[shown]["blocks"] if ref > 1] and shared
 
 
+@needs_browser
 def test_page_tags_lora_rows(tiny_models, tmp_path):
     """Each row computed with a LoRA adapter carries its name; the page draws the adapter's stripe on those cells
     only, and its legend names the adapter."""
@@ -517,7 +522,7 @@ def test_sigterm_ends_the_stream_at_once(server):
     assert "Traceback" not in server.log.read_text()
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+@needs_browser
 def test_page_opened_late_on_a_large_pool(tiny_models, tmp_path):
     """A page opened after the engine's steps left its window, on 2,912 blocks (the default pool of the demo model
     on 2 cores): the budget and the counters come from the config and the stats, not from steps it never saw, the
@@ -551,7 +556,7 @@ def test_page_opened_late_on_a_large_pool(tiny_models, tmp_path):
                       f"{state['stats']['num_cached_tokens']} prompt tokens from the prefix cache")
 
 
-@pytest.mark.skipif(BROWSER is None, reason="no browser: `apt-get install chromium` (.ci/run does) to run it")
+@needs_browser
 def test_page_shows_the_host_tier(tiny_models, tmp_path):
     """With kv_offloading_size, the KV panel draws the prefix cache's host tier beside the device pool: how many of
     its blocks hold evicted cached KV, filled in proportion, and its hits; without one, nothing (served by

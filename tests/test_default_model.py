@@ -1,8 +1,10 @@
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,7 +62,7 @@ def test_first_run_says_what_it_converts_and_how_long_it_took(tmp_path, monkeypa
     folder = resolve_model(None)
     lines = capsys.readouterr().err.splitlines()
     assert lines[0].startswith("nanoserve: converting the demo model SmolLM2-135M-Instruct")
-    assert f"into {folder}, once (about {default_model.CONVERSION_SECONDS} s)" in lines[0]
+    assert f"into {folder}, once (about {default_model.CONVERSION_SECONDS} s on an idle machine)" in lines[0]
     assert lines[1] == "nanoserve: converted in 0 s; later runs load it from there"
     assert resolve_model(None) == folder and capsys.readouterr().err == ""  # the second run: silent
 
@@ -114,3 +116,24 @@ def test_example_script_runs(converted):
     completions = [line for line in result.stdout.splitlines() if line.startswith("Completion: ")]
     assert len(completions) == 4
     assert all(len(line) > len("Completion: ''") for line in completions)
+
+
+def test_a_conversion_ended_by_sigterm_leaves_no_temporary_folder(tmp_path):
+    """SIGTERM midway (a terminal's job control, a CI timeout) ends the conversion with its `finally`: the cache
+    holds no .tmp-* folder afterwards (it used to keep an empty one); a SIGKILLed one's is removed by the next run."""
+    env = {**os.environ, "NANOSERVE_CACHE": str(tmp_path)}
+    code = "from nanoserve.utils.default_model import resolve_model; resolve_model(None)"
+    run = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).parent.parent, env=env,
+                           stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(tmp_path.glob(".tmp-*")):  # the conversion has started
+        assert run.poll() is None and time.monotonic() < deadline, "the conversion never started"
+        time.sleep(0.05)
+    run.send_signal(signal.SIGTERM)
+    _, err = run.communicate(timeout=120)
+    assert run.returncode == 128 + signal.SIGTERM and "converting the demo model" in err
+    assert list(tmp_path.iterdir()) == []
+    dead = tmp_path / ".tmp-999999999-abc"  # a conversion SIGKILLed: no `finally` ran (no such pid)
+    dead.mkdir()
+    default_model.remove_dead_conversions(tmp_path)
+    assert not dead.exists()

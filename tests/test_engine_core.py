@@ -27,7 +27,7 @@ def assert_idle(engine: EngineCore) -> None:
 
 def drain(engine: EngineCore, outputs: dict[str, list]) -> None:
     while engine.has_unfinished_requests():
-        for out in engine.step_fn():
+        for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
 
 
@@ -37,16 +37,16 @@ def test_batch_queue_overlaps_steps_and_drops_the_token_after_the_finish(tiny_mo
     engine = LLM(tiny_models["qwen3"], **OPTIONS, async_scheduling=True).engine
     engine.add_request("a", PROMPTS[2], greedy(2, ignore_eos=True))
     seq = engine.requests["a"].first_seq
-    assert engine.step_fn() == []  # step 1 (the prefill) launched, nothing back yet
+    assert engine.step() == []  # step 1 (the prefill) launched, nothing back yet
     assert seq.num_output_placeholders == 1 and len(seq) == len(PROMPTS[2]) + 1
-    first = engine.step_fn()  # step 2 (a decode of the placeholder) launched, then step 1 taken in
+    first = engine.step()  # step 2 (a decode of the placeholder) launched, then step 1 taken in
     assert len(engine.batch_queue) == 1 and [o.new_token_ids for o in first] == [seq.token_ids[-1:]]
     assert seq.num_output_placeholders == 1  # step 2's token
-    second = engine.step_fn()  # step 3 launched with a placeholder; step 2 taken in: max_tokens reached
+    second = engine.step()  # step 3 launched with a placeholder; step 2 taken in: max_tokens reached
     assert second[0].finished and second[0].finish_reason == "length"
     assert len(engine.batch_queue) == 1  # step 3 is still in flight, but the blocks are already free
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert engine.step_fn() == []  # step 3 taken in: its token is dropped
+    assert engine.step() == []  # step 3 taken in: its token is dropped
     assert engine.scheduler.stats.num_generated_tokens == 2 and engine.scheduler.stats.num_steps == 3
     assert first[0].new_token_ids + second[0].new_token_ids == hf_greedy(tiny_models["qwen3"], PROMPTS[2:], 2)[0]
     assert_idle(engine)
@@ -62,7 +62,7 @@ def test_a_failed_forward_fails_exactly_its_requests(tiny_models, monkeypatch, a
     engine.add_request("b", PROMPTS[1], greedy(8))
     outputs: dict[str, list] = {}
     for _ in range(3):
-        for out in engine.step_fn():
+        for out in engine.step():
             outputs.setdefault(out.request_id, []).append(out)
     execute, calls = engine.executor.execute_model, []
 

@@ -114,5 +114,5 @@ def test_swapped_out_fp8_blocks_come_back_bit_for_bit(tiny_models):
         llm = LLM(tiny_models["llama"], dtype="float32", attention_backend="torch", kv_cache_dtype="fp8",
                   num_kvcache_blocks=blocks, **swap)
         tokens[blocks] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    assert llm.engine.model_runner.host_kv_cache.dtype == FP8 and llm.stats.num_swapped_in > 0
+    assert llm.engine.model_runner.kv_pools["swap_space"].dtype == FP8 and llm.stats.num_swapped_in > 0
     assert tokens[6] == tokens[64]

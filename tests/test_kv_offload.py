@@ -11,6 +11,7 @@ import pytest
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.engine.block_manager import compute_hash
+from nanoserve.kv_offload import copy_tier_blocks
 
 BLOCK_SIZE = 4
 BLOCK_BYTES = 2 * 2 * 2 * 16 * 4 * BLOCK_SIZE  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
@@ -51,7 +52,7 @@ def check_on_equals_off_equals_transformers(path: str, params: SamplingParams, *
     assert stats.num_offloaded_blocks > 0 and stats.num_loaded_blocks > 0
     assert 0 < stats.num_host_cached_tokens <= stats.num_cached_tokens
     assert pool.num_free_blocks == pool.num_blocks
-    num_offload_blocks = llm.engine.model_runner.num_offload_blocks
+    num_offload_blocks = llm.engine.seams.kv_cache_tier.num_blocks
     del llm, pool  # (a tensor-parallel engine's ranks must be gone before the next one starts)
     gc.collect()
     llm = tight_llm(path, False, **options)
@@ -113,7 +114,7 @@ def test_needs_prefix_caching(tiny_models):
 
 def test_off_plugs_nothing_in(tiny_models):
     llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=16)
-    assert llm.engine.seams.kv_cache_tier is None and llm.engine.model_runner.num_offload_blocks == 0
+    assert llm.engine.seams.kv_cache_tier is None and "kv_offloading_size" not in llm.engine.model_runner.kv_pools
 
 
 def test_stats_trace_and_metrics_agree(tiny_models):
@@ -140,7 +141,7 @@ def run_engine(llm: LLM, prompts: list[list[int]], tag: str) -> list[tuple[list[
     for i, prompt in enumerate(prompts):
         llm.engine.add_request(f"{tag}{i}", prompt, GREEDY)
     while llm.engine.has_unfinished_requests():
-        for out in llm.engine.step_fn():
+        for out in llm.engine.step():
             tokens, _ = results.get(out.request_id, ([], None))
             results[out.request_id] = (tokens + out.new_token_ids, out.error)
     return [results[f"{tag}{i}"] for i in range(len(prompts))]
@@ -158,29 +159,29 @@ def fail_copies(monkeypatch, llm: LLM, fails) -> list[int]:
     """Make the model runner's copies to or from the host tier raise where fails(src_id, dst_id, offloading);
     returns the list the failed copies' host blocks are appended to."""
     runner, failed = llm.engine.model_runner, []
-    copy = runner._copy_blocks
+    copy = runner.copy_blocks
 
-    def failing_copy(mapping, src, dst):
+    def failing_copy(mapping, src="device", dst="device"):
         for src_id, dst_id in mapping:
-            offloading, loading = dst is runner.offload_kv_cache, src is runner.offload_kv_cache
+            offloading, loading = dst == "kv_offloading_size", src == "kv_offloading_size"
             if (offloading or loading) and fails(src_id, dst_id, offloading):
                 failed.append(dst_id if offloading else src_id)
                 raise RuntimeError("injected copy failure")
         copy(mapping, src, dst)
 
-    monkeypatch.setattr(runner, "_copy_blocks", failing_copy)
+    monkeypatch.setattr(runner, "copy_blocks", failing_copy)
     return failed
 
 
 def check_books_agree(llm: LLM) -> None:
     """No block leaked; each device hash names its block; each host block is free or cached once, none of the
     cached ones lost its KV."""
-    bm, tier, runner = llm.engine.block_manager, llm.engine.seams.kv_cache_tier, llm.engine.model_runner
+    bm, tier = llm.engine.block_manager, llm.engine.seams.kv_cache_tier
     assert bm.num_free_blocks == bm.num_blocks
     assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
     host_ids = [host_id for host_id, _ in tier.cached.values()]
     assert sorted(host_ids + tier.free_block_ids) == list(range(tier.num_blocks))
-    assert runner.lost_offload_blocks.isdisjoint(host_ids)
+    assert tier.lost_blocks.isdisjoint(host_ids)
 
 
 def two_turns(path: str, **options) -> tuple[LLM, list[list[int]], list[list[int]]]:
@@ -241,18 +242,19 @@ def test_failed_offload_costs_only_the_host_copy(tiny_models, monkeypatch):
 
 
 def test_a_lost_host_block_loads_nothing(tiny_models, monkeypatch):
-    """ModelRunner.swap_blocks: a host block whose offload failed fails every load from it, in that step or a later
+    """copy_tier_blocks: a host block whose offload failed fails every load from it, in that step or a later
     one planned before the tier heard (async scheduling), until an offload into it succeeds."""
     llm = tight_llm(tiny_models["qwen3"], True)
-    runner = llm.engine.model_runner
+    runner, lost = llm.engine.model_runner, llm.engine.seams.kv_cache_tier.lost_blocks
     failed = fail_copies(monkeypatch, llm, lambda src, dst, offloading: offloading and dst == 5)
-    offloads, loads = runner.swap_blocks([], [], [], [(1, 5), (2, 6)], [(5, 3), (6, 4)])
+    offloads = copy_tier_blocks(runner, [(1, 5), (2, 6)], True, lost)
+    loads = copy_tier_blocks(runner, [(5, 3), (6, 4)], False, lost)
     assert list(offloads) == [(1, 5)] and list(loads) == [(5, 3)] and failed == [5]
     assert "holds no KV" in str(loads[5, 3])
-    assert list(runner.swap_blocks([], [], [], [], [(5, 7)])[1]) == [(5, 7)]
+    assert list(copy_tier_blocks(runner, [(5, 7)], False, lost)) == [(5, 7)]
     monkeypatch.undo()
     runner.kv_cache[:, :, 1] = 0.5
-    assert runner.swap_blocks([], [], [], [(1, 5)], [(5, 7)]) == ({}, {})
+    assert copy_tier_blocks(runner, [(1, 5)], True, lost) == copy_tier_blocks(runner, [(5, 7)], False, lost) == {}
     assert runner.kv_cache[:, :, 7].equal(runner.kv_cache[:, :, 1]) and runner.kv_cache[0, 0, 7, 0, 0, 0] == 0.5
 
 

@@ -8,8 +8,9 @@ import random
 import pytest
 from test_scheduling_random import check_books, check_step, next_token, random_config, unconstrained, write_and_check_kv
 
+from conftest import make_scheduler
 from nanoserve.engine.block_manager import BlockManager, compute_hash
-from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv_offload import HostKVTier
@@ -19,7 +20,8 @@ NUM_CASES = 120
 
 
 def move_kv(kv: dict, swap_kv: dict, host_kv: dict, out: SchedulerOutput, block_size: int) -> None:
-    """The copies ModelRunner.swap_blocks makes, in its order: reads of the device pool first."""
+    """The copies the executor has the model runners make (the move_kv seam), in its order: reads of the device pool
+    first."""
     for mapping, src, dst in ((out.blocks_to_swap_out, kv, swap_kv), (out.blocks_to_offload, kv, host_kv),
                               (out.blocks_to_swap_in, swap_kv, kv), (out.blocks_to_load, host_kv, kv),
                               (out.blocks_to_copy, kv, kv)):
@@ -60,8 +62,9 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
     seams = Seams()
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, True, seams)
     tier = seams.kv_cache_tier = HostKVTier(rng.randint(1, 3 * largest), None)
+    seams.after_schedule.append(tier.take_copies)  # (as kv_offload.plug_in does)
     swap = BlockManager(rng.randint(0, largest), block_size, False) if config.preemption_mode == "swap" else None
-    scheduler = Scheduler(config, bm, swap)
+    scheduler = make_scheduler(config, bm, swap, seams)
     tier.stats = scheduler.stats
     system = [rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))]
     # Each conversation: its history, the step its next turn arrives, the sequences of the turn in flight.

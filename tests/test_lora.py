@@ -205,7 +205,7 @@ def test_max_loras_slots(tiny_models, adapters):
     assert_equal_to_peft(tiny_models["llama"], outputs, loras)
     assert max(len(step) for step, _ in per_step) == 2 and max(len(running) for _, running in per_step) <= 2
     assert set().union(*(step for step, _ in per_step)) == {1, 2, 3, 4}
-    manager = engine.seams.check_lora_request.__self__
+    manager = engine.seams.request_checks["lora_request"].__self__
     assert len(manager.host) <= 3  # max_cpu_loras: least recently used read again when needed
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
@@ -304,7 +304,7 @@ def test_bad_adapters_are_refused_naming_what_is_wrong(tiny_models, adapters, tm
 
 def test_lora_options_are_checked(tiny_models, adapters):
     model = tiny_models["qwen3"]
-    with pytest.raises(ValueError, match="lora_request: this engine serves no adapters; pass enable_lora=True"):
+    with pytest.raises(ValueError, match="lora_request: .*no feature plugged in for it; pass enable_lora=True"):
         LLM(model, **ROOMY_POOL).generate(PROMPTS[:1], GREEDY, lora_request=adapters["qwen3"][1])
     for options, match in ((dict(max_loras=0), "max_loras must be >= 1"),
                            (dict(max_loras=3, max_cpu_loras=2), r"max_cpu_loras \(2\) must be >= max_loras \(3\)"),

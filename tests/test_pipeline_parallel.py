@@ -14,8 +14,9 @@ import torch.distributed as dist
 
 from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.core import EngineCore
+from nanoserve.parallel.executor import parameter_shapes
 from nanoserve.parallel.pipeline import stage_layers
+from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
 OPTIONS = dict(block_size=8, num_kvcache_blocks=20)  # 160 token slots: the 8 plain prompts cannot run together
@@ -87,7 +88,7 @@ def test_pipeline_stages_equal_one_process_and_transformers(models, prompts, exp
 
     # Rank r is stage r // tp, and holds that stage's layers only (the KV cache too: one slot per own layer).
     num_layers = llm.engine.config.hf_config.num_hidden_layers
-    shapes = llm.engine.executor.call("parameter_shapes")
+    shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert len(shapes) == 2 * tp
     for rank, rank_shapes in enumerate(shapes):
         assert set(rank_shapes) == {n for n in names[arch] if on_stage(n, num_layers, rank // tp, 2)}, rank
@@ -128,13 +129,13 @@ def test_one_batch_in_flight_per_stage_and_no_request_in_two(models, prompts, ex
     """async_scheduling with P stages: the batch queue fills up to P steps, each with requests to work on (a step
     admits 1/P of them), and a request whose token is still in flight sits the next steps out, so the batches in
     flight never share a sequence."""
-    seen, submit = [], EngineCore._submit
+    seen, submit = [], BatchQueueEngineCore._submit
 
-    def record(engine: EngineCore, out, inputs):  # what is in flight as each step starts
+    def record(engine: BatchQueueEngineCore, out, inputs):  # what is in flight as each step starts
         seen.append([{s.seq_id for s in o.seqs} for o, _ in engine.batch_queue] + [{s.seq_id for s in out.seqs}])
         return submit(engine, out, inputs)
 
-    monkeypatch.setattr(EngineCore, "_submit", record)
+    monkeypatch.setattr(BatchQueueEngineCore, "_submit", record)
     llm = LLM(models["qwen2"], pipeline_parallel_size=num_stages, async_scheduling=True, **OPTIONS)
     assert generate(llm, prompts["plain"])[0] == expected["qwen2"]["plain"]
     assert max(sum(1 for batch in in_flight if batch) for in_flight in seen) == num_stages  # all busy at once

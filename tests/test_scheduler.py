@@ -1,6 +1,7 @@
 """Scheduler unit tests: the model is replaced by fake sampled tokens; queues and blocks are exact."""
 import pytest
 
+from conftest import make_scheduler
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
@@ -17,7 +18,7 @@ def make(tiny_models):
     def make(num_blocks=32, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64) -> Scheduler:
         config = Config(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=num_blocks, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len)
-        return Scheduler(config, BlockManager(num_blocks, BS))
+        return make_scheduler(config, BlockManager(num_blocks, BS))
     return make
 
 

@@ -2,6 +2,7 @@
 asserts the exact batches (sequence id, tokens scheduled), queues and block moves (docs/scheduling.md)."""
 import pytest
 
+from conftest import make_scheduler
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
@@ -18,7 +19,7 @@ def make(tiny_models):
         config = Config(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=num_blocks, max_num_seqs=max_num_seqs,
                         max_num_batched_tokens=max_num_batched_tokens, max_model_len=64, **options)
         host = BlockManager(num_host_blocks, BS, enable_prefix_caching=False) if num_host_blocks else None
-        return Scheduler(config, BlockManager(num_blocks, BS), host)
+        return make_scheduler(config, BlockManager(num_blocks, BS), host)
     return make
 
 
@@ -46,7 +47,8 @@ def ids(seqs) -> list[int]:
 
 
 def all_free(scheduler: Scheduler) -> bool:
-    pools = [scheduler.block_manager] + ([scheduler.host_block_manager] if scheduler.host_block_manager else [])
+    host = getattr(scheduler, "host_block_manager", None)  # the swap chapter's pool
+    pools = [scheduler.block_manager] + ([host] if host else [])
     return all(bm.num_free_blocks == bm.num_blocks and all(b.ref_count == 0 for b in bm.blocks) for bm in pools)
 
 

@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 
+from conftest import make_scheduler
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -68,7 +69,7 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
                   seq.sampling_params.max_tokens) // block_size) for _, seq in requests)
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, prefix_caching)  # often too small for all
     host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if config.preemption_mode == "swap" else None
-    return config, sorted(requests, key=lambda r: r[0]), Scheduler(config, bm, host)
+    return config, sorted(requests, key=lambda r: r[0]), make_scheduler(config, bm, host)
 
 
 def check_step(out: SchedulerOutput, config: Config) -> None:
@@ -107,8 +108,8 @@ def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int) -> None:
 
 
 def check_books(scheduler: Scheduler) -> None:
-    for pool, holders in ((scheduler.block_manager, scheduler.running), (scheduler.host_block_manager,
-                                                                        scheduler.swapped)):
+    for pool, holders in ((scheduler.block_manager, scheduler.running), (getattr(scheduler, "host_block_manager", None),
+                                                                        getattr(scheduler, "swapped", []))):
         if pool is None:
             continue
         count = Counter(b for seq in holders for b in seq.block_table)
@@ -117,7 +118,7 @@ def check_books(scheduler: Scheduler) -> None:
     bm = scheduler.block_manager
     assert all(bm.blocks[i].hash == h for h, i in bm.hash_to_block_id.items())
     for queue, status in ((scheduler.waiting, SequenceStatus.WAITING), (scheduler.running, SequenceStatus.RUNNING),
-                          (scheduler.swapped, SequenceStatus.SWAPPED)):
+                          (getattr(scheduler, "swapped", []), SequenceStatus.SWAPPED)):
         assert all(seq.status == status for seq in queue)
     assert all(seq.block_table == [] and seq.num_computed_tokens == 0 for seq in scheduler.waiting)
     assert len(scheduler.running) <= scheduler.max_num_seqs

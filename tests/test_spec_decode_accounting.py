@@ -30,7 +30,7 @@ def verify(bm: BlockManager, s: Sequence, drafts: list[int], emitted: list[int],
     kv, if given, records which token's KV each slot holds: the forward writes all 1 + k."""
     start = s.num_computed_tokens  # the newest token, not computed yet
     s.token_ids += drafts
-    assert bm.can_append(s)
+    assert bm.num_new_blocks(s) <= bm.num_free_blocks
     copies = bm.may_append(s)
     if kv is not None:
         for src, dst in copies:
@@ -134,16 +134,16 @@ def test_copy_on_write_then_spill_for_a_forked_sequence():
     assert copies == [(1, 2)]
     assert (child.block_table, parent.block_table) == ([0, 2, 3], [0, 1])
     assert [b.ref_count for b in bm.blocks[:4]] == [2, 1, 1, 1]
-    assert not bm.can_append(parent) or bm.num_new_blocks(parent) == 0  # the parent still writes block 1 alone
+    assert bm.num_new_blocks(parent) == 0  # the parent still writes block 1 alone
 
 
-def test_can_append_counts_every_block_needed():
+def test_num_new_blocks_counts_every_block_needed():
     bm = BlockManager(3, BS)
     s = prefilled(bm, 0, [0, 1, 2, 3], first_token=4)  # block 0 full; the newest token needs a block
     s.token_ids += list(range(5, 13))  # 13 tokens: 4 blocks, 3 new, 2 free
-    assert (bm.num_new_blocks(s), bm.num_free_blocks, bm.can_append(s)) == (3, 2, False)
+    assert (bm.num_new_blocks(s), bm.num_free_blocks, bm.num_new_blocks(s) <= bm.num_free_blocks) == (3, 2, False)
     del s.token_ids[-4:]  # 9 tokens: 3 blocks
-    assert (bm.num_new_blocks(s), bm.can_append(s)) == (2, True)
+    assert (bm.num_new_blocks(s), bm.num_new_blocks(s) <= bm.num_free_blocks) == (2, True)
     assert bm.may_append(s) == [] and s.block_table == [0, 1, 2] and bm.num_free_blocks == 0
 
 
@@ -176,7 +176,7 @@ def test_random_accept_patterns_keep_the_books(seed):
             k = rng.randrange(7)
             drafts = [rng.randrange(4) for _ in range(k)]
             s.token_ids += drafts
-            fits = bm.can_append(s)
+            fits = bm.num_new_blocks(s) <= bm.num_free_blocks
             del s.token_ids[len(s) - k :]
             if not fits:  # preempt by recompute: give the blocks back, prefill again later
                 bm.deallocate(s)

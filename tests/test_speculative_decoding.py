@@ -8,7 +8,15 @@ import random
 import pytest
 from test_scheduling_equality import BLOCK_BYTES, BLOCK_SIZE, COMBOS, run
 
-from conftest import ARCHS, ROOMY_POOL, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
+from conftest import (
+    ARCHS,
+    ROOMY_POOL,
+    assert_killed_worker_fails_fast,
+    hf_greedy,
+    make_model,
+    make_scheduler,
+    random_prompts,
+)
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager, compute_hash
@@ -122,7 +130,7 @@ def test_every_scheduler_combination_equals_transformers(tiny_models, other_draf
     if mode == "swap":
         assert stats.num_swapped_in == stats.num_swapped_out > 0
     scheduler = llm.engine.scheduler
-    for pool in (scheduler.block_manager, scheduler.host_block_manager):
+    for pool in (scheduler.block_manager, getattr(scheduler, "host_block_manager", None)):
         assert pool is None or pool.num_free_blocks == pool.num_blocks
 
 
@@ -245,7 +253,7 @@ def test_random_accept_reject_keeps_the_books(tiny_models, seed):
     bs, num_blocks = 4, 40
     config = Config(tiny_models["qwen3"], block_size=bs, num_kvcache_blocks=num_blocks, max_num_seqs=6,
                     max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=64, enable_chunked_prefill=True)
-    scheduler = Scheduler(config, BlockManager(num_blocks, bs))
+    scheduler = make_scheduler(config, BlockManager(num_blocks, bs))
     seqs = []
     shared = [rng.randrange(3, 50) for _ in range(8)]
     for i in range(6):

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.parallel.executor import parameter_shapes
 
 N = 2
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -63,7 +64,7 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     config = llm.engine.config.hf_config
     q_heads, kv_heads = config.num_attention_heads // N, max(1, config.num_key_value_heads // N)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    shapes = llm.engine.executor.call("parameter_shapes")
+    shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert len(shapes) == N
     for rank_shapes in shapes:
         assert rank_shapes.keys() == full_shapes.keys()
@@ -97,7 +98,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
 
     llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
     assert generate(llm, prompts)[0] == expected
-    shapes = llm.engine.executor.call("parameter_shapes")
+    shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert [rank["lm_head.weight"][0] for rank in shapes] == [(vocab_size + 1) // 2] * N
     # Logprobs of every token: the distribution is over the real vocabulary, no padding id in it.
     params = SamplingParams(temperature=1.0, max_tokens=4, logprobs=vocab_size, seed=0)
@@ -129,7 +130,7 @@ def test_failed_start_and_interpreter_exit_leave_no_process(models, tmp_path):
     script = (f"from nanoserve import LLM\nllm = LLM({models['qwen3']!r}, tensor_parallel_size={N}, "
               "num_kvcache_blocks=64)\n"
               "print(llm.engine.executor.procs[0].pid, flush=True)\nraise SystemExit('boom')\n")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert done.returncode == 1 and "boom" in done.stderr
     pid = int(done.stdout.split()[-1])
@@ -137,6 +138,51 @@ def test_failed_start_and_interpreter_exit_leave_no_process(models, tmp_path):
     while time.perf_counter() < deadline and os.path.exists(f"/proc/{pid}"):
         time.sleep(0.1)
     assert not os.path.exists(f"/proc/{pid}")
+
+
+
+def test_a_start_that_fails_after_init_process_group_leaves_the_process_to_the_next_llm(models, monkeypatch):
+    """A failure once the group is up (here injected where a config error or a gloo timeout would strike) ends the
+    worker and leaves the process group at once, not when the garbage collector gets to the half-built engine: the
+    exception's traceback keeps it alive (a notebook, pytest), and the next LLM used to fail with "torch.distributed
+    is already initialized"."""
+    from nanoserve.parallel import executor
+
+    def fail(*args):
+        raise RuntimeError("injected after init_process_group")
+
+    monkeypatch.setattr(executor, "init_stage_groups", fail)  # rank 0's only: the worker is another process
+    with pytest.raises(RuntimeError, match="injected after init_process_group") as failed:
+        LLM(models["qwen3"], tensor_parallel_size=N, **OPTIONS)
+    monkeypatch.undo()
+    assert failed.traceback and no_process_left([])  # (the traceback, and the executor in it, still alive)
+    prompts = random_prompts(3, seed=5)
+    llm = LLM(models["qwen3"], **OPTIONS)
+    assert generate(llm, prompts)[0] == hf_greedy(models["qwen3"], prompts, GREEDY.max_tokens)
+
+
+def test_a_failed_step_ends_the_workers_and_the_group_and_the_next_llm_works(models):
+    """An exception inside generate on rank 0 (the worker then waits in a collective that never completes): the
+    engine ends its worker and leaves the group, says so on the next call, and a new LLM works beside it."""
+    llm = LLM(models["qwen3"], tensor_parallel_size=N, **OPTIONS)
+    runner, procs = llm.engine.model_runner, llm.engine.executor.procs
+    run_model, calls = runner.run_model, []
+
+    def fail_on_the_second_step(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected in a step")
+        return run_model(*args)
+
+    runner.run_model = fail_on_the_second_step
+    with pytest.raises(RuntimeError, match="injected in a step"):
+        llm.generate(random_prompts(2), GREEDY, use_tqdm=False)
+    assert no_process_left(procs)
+    with pytest.raises(RuntimeError, match=r"a step failed \(RuntimeError: injected in a step\): this LLM cannot"):
+        llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
+    prompts = random_prompts(3, seed=6)
+    one = LLM(models["llama"], **OPTIONS)  # while the failed one lives on
+    assert generate(one, prompts)[0] == hf_greedy(models["llama"], prompts, GREEDY.max_tokens)
 
 
 def test_bad_sizes_raise_before_any_process_starts(models, monkeypatch):

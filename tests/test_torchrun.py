@@ -80,7 +80,7 @@ def start_server_nodes(model: str, tmp_path: Path) -> tuple[str, list[subprocess
     port = free_port()
     nodes = launch_nodes(["-m", "nanoserve.serving", model, "--pipeline-parallel-size", "2", "--port", str(port),
                           "--num-kvcache-blocks", "64"], tmp_path)
-    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 180
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 300
     while True:
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:

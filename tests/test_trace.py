@@ -38,7 +38,7 @@ def check_step(llm: LLM) -> None:
     assert len({r.seq_id for r in rec.scheduled}) == len(rec.scheduled)
     assert all(rec.seq_requests[r.seq_id] == (r.request_id, 0) for r in rec.scheduled)  # (n = 1 here)
     for ids, queue in ((rec.waiting, scheduler.waiting), (rec.running, scheduler.running),
-                       (rec.swapped, scheduler.swapped)):
+                       (rec.swapped, getattr(scheduler, "swapped", []))):
         assert ids == [seq.seq_id for seq in queue]
     held = {block for seq in scheduler.running for block in seq.block_table}  # prefix blocks are shared
     assert rec.num_used_blocks == len(held) == bm.num_blocks - rec.num_free_blocks

@@ -5,7 +5,6 @@ import xxhash
 
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
-from nanoserve.utils.math import cdiv
 
 
 def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -33,10 +32,9 @@ class Block:
 class BlockManager:
     """A fixed pool of KV blocks, shared between sequences by reference counting.
 
-    Prefix caching: a full block is registered under its chained hash once its KV is computed.
-    A later prompt with the same prefix reuses the block instead of recomputing it. A freed block
-    keeps its hash, so it can still be hit until it is handed out for other tokens; with a second tier
-    (seams.kv_cache_tier: kv_offload/), its KV moves there then, and a later prefix miss can find it there.
+    Prefix caching: a full block is registered under its chained hash once its KV is computed, and a later prompt
+    with the same prefix reuses it instead of recomputing it. A freed block keeps its hash, so it can still be hit
+    until it is handed out for other tokens (then, with a second tier, seams.kv_cache_tier, its KV moves there).
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
@@ -62,9 +60,10 @@ class BlockManager:
         block.ref_count = 1
         return block
 
-    def _allocate_new_block(self) -> int:
+    def allocate_block(self) -> int:
+        """A free block for new tokens: the least recently freed one; its cached hash, if any, is forgotten."""
         block = self._take_free_block(self.free_block_ids[0])
-        self._uncache(block, offload=True)  # it is about to hold other tokens (its KV may go down a tier)
+        self._uncache(block, offload=True)
         return block.block_id
 
     def _uncache(self, block: Block, offload: bool) -> None:
@@ -78,14 +77,12 @@ class BlockManager:
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
         """Block ids holding the longest cached prefix of seq, verified token by token; then the hashes of the
         blocks after it that the second tier holds (kv_cache_tier), to copy back."""
-        hit_ids: list[int] = []
-        tier_hashes: list[int] = []
+        hit_ids, tier_hashes, tier = [], [], self.seams.kv_cache_tier
         # A request for prompt_logprobs computes its whole prompt: cached tokens would get no logits (vLLM V1).
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hit_ids, tier_hashes
-        # Stop one token short of the end: the last token must be computed to get logits for it.
-        prefix_hash, tier = hash_root(seq), self.seams.kv_cache_tier
-        for i in range((len(seq) - 1) // self.block_size):
+        prefix_hash = hash_root(seq)
+        for i in range((len(seq) - 1) // self.block_size):  # the last token is always computed: it needs logits
             token_ids = seq.block(i)
             prefix_hash = compute_hash(token_ids, prefix_hash)
             block_id = self.hash_to_block_id.get(prefix_hash)
@@ -106,12 +103,11 @@ class BlockManager:
         return len(seq) - sum(map(len, self._cached_prefix(seq))) * self.block_size
 
     def can_allocate(self, seq: Sequence) -> bool:
-        """Would allocate(seq) succeed now? (Priority scheduling asks before evicting anyone for seq.)"""
         return self._num_blocks_needed(seq, self._cached_prefix(seq)[0]) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence) -> bool:
-        """Give seq's prompt its blocks, reusing cached ones (a block the second tier holds comes back into a
-        fresh block: cached at once, as its copy runs before the forward). All or nothing: False changes no state."""
+        """Give seq's prompt its blocks, reusing cached ones (a block the second tier holds comes back into a fresh
+        block, cached at once: its copy runs before the forward). All or nothing: False changes no state."""
         hit_ids, tier_hashes = self._cached_prefix(seq)
         if self._num_blocks_needed(seq, hit_ids) > self.num_free_blocks:
             return False
@@ -121,21 +117,16 @@ class BlockManager:
             else:
                 self._take_free_block(block_id)
         for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
-            block = self.blocks[self._allocate_new_block()]
+            block = self.blocks[self.allocate_block()]
             block.hash, block.token_ids = block_hash, seq.block(i)
             self.hash_to_block_id[block_hash] = block.block_id
             self.seams.kv_cache_tier.load(block_hash, block.block_id)
             hit_ids.append(block.block_id)
-        seq.block_table = hit_ids + [self._allocate_new_block() for _ in range(seq.num_blocks - len(hit_ids))]
+        seq.block_table = hit_ids + [self.allocate_block() for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         if self.seams.kv_connector is not None:  # more of the prompt's KV, computed by another engine (kv_transfer/)
             self.seams.kv_connector.update_state_after_alloc(seq)
         return True
-
-    def take_tier_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The block copies to and from the second tier this step's allocations asked for (none without one)."""
-        tier = self.seams.kv_cache_tier
-        return ([], []) if tier is None else tier.take_copies()
 
     def uncache(self, block_ids: set[int]) -> None:
         """Take blocks out of the prefix cache: their KV is not what their hash says (a copy into them failed)."""
@@ -143,11 +134,8 @@ class BlockManager:
             self._uncache(self.blocks[block_id], offload=False)
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Register the blocks that became full of computed KV as seq's tokens start..end were computed.
-
-        Only after the forward: a block registered earlier could be hit while its KV is still unwritten
-        (and stay so for good if that step fails).
-        """
+        """Register the blocks that became full of computed KV as seq's tokens start..end were computed. Only after
+        the forward: a block registered earlier could be hit while its KV is still unwritten."""
         if not self.enable_prefix_caching:
             return
         for i in range(start // self.block_size, end // self.block_size):
@@ -158,91 +146,51 @@ class BlockManager:
             self.hash_to_block_id[block.hash] = block.block_id
 
     def num_new_blocks(self, seq: Sequence) -> int:
-        """Free blocks seq takes before this step writes its uncomputed tokens: one per block they spill into
-        (1 + k tokens with k drafts may span several), plus a private copy of a last block a forked sibling
-        shares, if they land in it (copy-on-write)."""
+        """Free blocks seq takes before this step writes its uncomputed tokens: one per block they spill into,
+        plus a private copy of a last block a forked sibling shares, if they land in it (copy-on-write)."""
         shared = bool(seq.block_table) and self.blocks[seq.block_table[-1]].ref_count > 1
         lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
         return seq.num_blocks - len(seq.block_table) + (shared and lands_in_last)
 
-    def can_append(self, seq: Sequence) -> bool:
-        """Can seq's uncomputed tokens get their slots?"""
-        return self.num_new_blocks(seq) <= self.num_free_blocks
-
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Reserve slots for the tokens this step computes (call only after can_append). Returns the
-        (source, destination) block pair to copy first when the last block was shared, else []."""
+        """Reserve slots for the tokens this step computes (when num_new_blocks fit). Returns the (source,
+        destination) block pair to copy first when the last block was shared, else []."""
         copies = []
         if self.num_new_blocks(seq) > seq.num_blocks - len(seq.block_table):  # the last block is shared
-            # Copy-on-write: the partly filled last block is shared with a forked sibling, which must not
-            # see these tokens. Write into a private copy; the siblings keep the original.
+            # Copy-on-write: a forked sibling shares the partly filled last block and must not see these tokens.
+            # Write into a private copy; the siblings keep the original.
             src = seq.block_table[-1]
-            self._free([src])
-            seq.block_table[-1] = self._allocate_new_block()
+            self.free([src])
+            seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self._allocate_new_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+        seq.block_table += [self.allocate_block() for _ in range(seq.num_blocks - len(seq.block_table))]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """child starts as a copy of parent: it shares all its blocks (one more reference each)."""
         child.block_table = list(parent.block_table)
-        for block_id in child.block_table:
+        self.share(child.block_table)
+
+    def share(self, block_ids: list[int]) -> None:
+        for block_id in block_ids:
             self.blocks[block_id].ref_count += 1
 
-    def _free(self, block_ids: list[int]) -> None:
-        # Free the tail first: the free queue evicts from the left, so shared prefixes live longest.
-        for block_id in reversed(block_ids):
-            block = self.blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
+    def free(self, block_ids: list[int]) -> None:
+        for block_id in reversed(block_ids):  # the tail first: the left end goes first, so shared prefixes last
+            self.blocks[block_id].ref_count -= 1
+            if self.blocks[block_id].ref_count == 0:
                 self.free_block_ids.append(block_id)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Give back seq's blocks past its first num_tokens tokens (speculative rollback: those that held only
-        rejected lookahead tokens). Never hashed, they go to the front of the free queue, to be reused before
-        any block the prefix cache can still hit."""
-        keep = cdiv(num_tokens, self.block_size)
+        """Give back seq's blocks past its first num_tokens tokens (speculative rollback: rejected lookahead
+        tokens'). Never hashed, they go to the front of the free queue, before any block the cache can still hit."""
+        keep = -(-num_tokens // self.block_size)  # ceiling division
         tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
         for block_id in tail:
             self.blocks[block_id].ref_count -= 1
         self.free_block_ids.extendleft(reversed([b for b in tail if self.blocks[b].ref_count == 0]))
 
     def deallocate(self, seq: Sequence) -> None:
-        self._free(seq.block_table)
+        self.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
-
-    # ---- swapping (preemption_mode="swap"): `host` is a second pool, of blocks in host memory ------
-    def swap_out(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
-        """Move the blocks of seqs (a request's sequences) to the host pool, which must have room; returns
-        the (device, host) block pairs whose KV the model runner copies. They keep num_computed_tokens."""
-        return move_blocks(seqs, self, host)
-
-    def can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
-        of several, each may need a copy of a shared last block)?"""
-        num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
-        return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.num_free_blocks
-
-    def swap_in(self, seqs: list[Sequence], host: "BlockManager") -> list[tuple[int, int]]:
-        """Move the blocks of seqs back into fresh device blocks (call after can_swap_in); returns the (host,
-        device) block pairs to copy. Full blocks rejoin the prefix cache at once: the copies run before this
-        step's forward, so a prompt that hits them, in this step or later, reads their KV."""
-        mapping = move_blocks(seqs, host, self)
-        for seq in seqs:
-            self.hash_blocks(seq, 0, seq.num_computed_tokens)
-        return mapping
-
-
-def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
-    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared."""
-    mapping: dict[int, int] = {}
-    for seq in seqs:
-        for block_id in seq.block_table:
-            if block_id in mapping:
-                dst.blocks[mapping[block_id]].ref_count += 1
-            else:
-                mapping[block_id] = dst._allocate_new_block()
-        src._free(seq.block_table)
-        seq.block_table = [mapping[b] for b in seq.block_table]
-    return list(mapping.items())

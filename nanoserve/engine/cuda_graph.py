@@ -1,12 +1,49 @@
-"""CUDA graphs for decode batches: each decode forward recorded once per batch size at start-up, replayed
-every step, so a step costs one launch instead of one per kernel (the fused attention backends only: the
-PyTorch path plans each batch on the host and stays eager)."""
+"""CUDA at start-up: the KV pool sized from what a warm-up forward leaves of the GPU's memory, and CUDA graphs for
+decode batches: each decode forward recorded once per batch size, replayed every step, so a step costs one launch
+instead of one per kernel (the fused attention backends only: the PyTorch path plans each batch on the host and
+stays eager)."""
 import torch
 from torch import nn
 
 from nanoserve.config import Config
+from nanoserve.engine.input_batch import InputBuilder
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
+
+
+def profile_num_blocks(runner) -> int:
+    """The KV blocks a ModelRunner's GPU holds: warm up with the largest prefill the scheduler may send, on a
+    temporary cache sized for it (counting that cache as activation memory errs on the safe side); the blocks
+    are what gpu_memory_utilization leaves after the weights and that forward's peak."""
+    cfg = runner.config
+    num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
+    blocks_per_seq = cdiv(cfg.max_model_len, runner.block_size)
+    torch.cuda.reset_peak_memory_stats()  # the peak must be this warm-up's, not an earlier engine's
+    runner._allocate_kv_cache(num_seqs * blocks_per_seq)
+    greedy = SamplingParams(temperature=0.0)
+    seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, runner.block_size) for _ in range(num_seqs)]
+    # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
+    num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
+    out = SchedulerOutput()
+    for i, seq in enumerate(seqs):
+        seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
+        seq.num_computed_tokens = cfg.max_model_len - num_tokens
+        out.add(seq, num_tokens)
+    inputs = InputBuilder.from_config(cfg).prepare_inputs(out)
+    runner.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+    torch.cuda.synchronize()
+    del runner.kv_cache
+    for layer in runner.attn_layers:
+        layer.k_cache = layer.v_cache = torch.tensor([])
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    stats = torch.cuda.memory_stats()
+    activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
+    available = total * cfg.gpu_memory_utilization - (total - free) - activations
+    return int(available) // runner._block_bytes() - 1  # minus the scratch block
 
 
 class CUDAGraphs:

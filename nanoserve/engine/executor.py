@@ -1,8 +1,6 @@
 """The executor (vLLM's name) runs each step on the model: here this process's ModelRunner alone (vLLM's
 UniProcExecutor). nanoserve/parallel/executor.py runs the same step on every rank of a tensor- or pipeline-
 parallel engine: it overrides `call` (send the call to every worker too) and `finish` (the last stage's logits)."""
-from concurrent.futures import Future, ThreadPoolExecutor
-
 import torch
 
 from nanoserve.config import Config
@@ -23,22 +21,18 @@ class Executor:
         device tensor (no wait for it here)."""
         return self.finish(out, *self.launch(out, inputs))
 
-    def submit(self, thread: ThreadPoolExecutor, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
-        """execute_model in `thread` (async scheduling's batch queue); the future gives the sampled ids."""
-        return thread.submit(self.execute_model, out, inputs)
-
     def launch(self, out: SchedulerOutput, inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
         """The step up to the logits: returns the inputs that ran (with a draft model's drafts) and their logits."""
-        copies = (out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, out.blocks_to_offload,
-                  out.blocks_to_load)
-        if any(copies):  # (a failed host-tier copy fails only the requests that needed it: EngineCore)
-            out.failed_offloads, out.failed_loads = self.call("swap_blocks", *copies)
+        for way in ("out", "in"):  # the seam: KV moved between pools (swap, the host tier), reads of the device first
+            for move in self.seams.move_kv:
+                move(out, self, way)
+        if out.blocks_to_copy:  # copy-on-write, inside the device pool
+            self.call("copy_blocks", out.blocks_to_copy)
         if self.seams.propose is not None:  # the seam before the forward: a draft model fills the lookahead slots
             inputs = self.seams.propose(out, inputs, self.run_draft)
-        self.model_runner.fill_placeholders(inputs)
         if inputs is None:  # everyone was preempted
             return None, None
-        for prepare in self.seams.before_forward:  # the seam: e.g. the step's LoRA adapters, their rows
+        for prepare in self.seams.before_forward:  # the seam: e.g. async scheduling's placeholders, LoRA's rows
             prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
 

@@ -4,18 +4,14 @@ import torch
 import torch.distributed as dist
 
 from nanoserve.config import Config
-from nanoserve.engine.cuda_graph import CUDAGraphs
-from nanoserve.engine.input_batch import InputBuilder, LogprobsPlace, ModelInput, to_device
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
+from nanoserve.engine.input_batch import LogprobsPlace, ModelInput, to_device
 from nanoserve.engine.seams import Seams
-from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
 from nanoserve.layers.elementwise_backend import use_elementwise_backend
 from nanoserve.layers.sampler import Sampler, compute_logprobs
 from nanoserve.models import load_model
 from nanoserve.outputs import Logprob
-from nanoserve.sampling_params import SamplingParams
-from nanoserve.utils.math import cdiv
 from nanoserve.utils.memory import keep_freed_memory
 
 
@@ -44,24 +40,12 @@ class ModelRunner:
         self.seams = Seams() if seams is None else seams
         self.attn_layers = [m for model in models for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
-        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
-        self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
-        self.num_host_blocks, self.host_kv_cache = 0, torch.tensor([])  # the swap pool, if any: below
-        self.num_offload_blocks, self.offload_kv_cache = 0, torch.tensor([])  # the prefix cache's host tier, if any
-        self.lost_offload_blocks: set[int] = set()  # host tier blocks whose offload failed (_copy_tier_blocks)
-        self.num_kvcache_blocks = config.num_kvcache_blocks or self._profile_num_blocks()
-        if dist.is_initialized():  # every rank must hold the blocks rank 0's scheduler hands out
-            num_blocks = torch.tensor(self.num_kvcache_blocks, device=self.device)
-            dist.all_reduce(num_blocks, dist.ReduceOp.MIN)
-            self.num_kvcache_blocks = int(num_blocks)
+        self.kv_pools: dict[str, torch.Tensor] = {}  # host pools of KV blocks a chapter adds (swap, the host tier)
+        self.num_kvcache_blocks = self._fewest_on_any_rank(config.num_kvcache_blocks or self._profile_num_blocks())
         if self.num_kvcache_blocks < 1:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        if config.preemption_mode == "swap":
-            self.num_host_blocks, self.host_kv_cache = self._allocate_host_cache("swap_space")
-        if config.kv_offloading_size:  # not shared with the swap pool: docs/kv_offload.md says why
-            self.num_offload_blocks, self.offload_kv_cache = self._allocate_host_cache("kv_offloading_size")
         # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path plans
         # each batch on the host and stays eager.
         if self.device.type == "cuda" and config.attention_backend != "torch" and not config.enforce_eager:
@@ -89,112 +73,38 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.store, layer.impl = store, impl
 
-    def _allocate_host_cache(self, option: str) -> tuple[int, torch.Tensor]:
-        """A host pool (the swap pool: swap_space; the prefix cache's host tier: kv_offloading_size): that many GiB
-        of host memory shaped like kv_cache (page-locked on CUDA, as vLLM's). Returns (its blocks, the tensor)."""
-        num_blocks = int(getattr(self.config, option) * 2**30) // self._block_bytes()
-        if dist.is_initialized():  # every rank must hold the blocks rank 0 hands out
-            num_blocks_tensor = torch.tensor(num_blocks, device=self.device)
-            dist.all_reduce(num_blocks_tensor, dist.ReduceOp.MIN)
-            num_blocks = int(num_blocks_tensor)
+    def _fewest_on_any_rank(self, num_blocks: int) -> int:
+        """Every rank must hold the blocks rank 0's scheduler hands out: the smallest count of them all."""
+        if dist.is_initialized():
+            count = torch.tensor(num_blocks, device=self.device)
+            dist.all_reduce(count, dist.ReduceOp.MIN)
+            num_blocks = int(count)
+        return num_blocks
+
+    def allocate_host_pool(self, name: str, gib: float) -> int:
+        """A pool of KV blocks in `gib` GiB of host memory, shaped like kv_cache (page-locked on CUDA, as vLLM's),
+        for a chapter, named by its option (swap_space, kv_offloading_size): kv_pools[name]. Returns its blocks."""
+        num_blocks = self._fewest_on_any_rank(int(gib * 2**30) // self._block_bytes())
         if num_blocks < 1:
-            raise ValueError(f"{option} ({getattr(self.config, option)} GiB) is too small for one KV block "
-                             f"({self._block_bytes()} bytes)")
+            raise ValueError(f"{name} ({gib} GiB) is too small for one KV block ({self._block_bytes()} bytes)")
         shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
-        return num_blocks, torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+        self.kv_pools[name] = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
+        return num_blocks
 
-    def swap_blocks(self, blocks_to_swap_out: list[tuple[int, int]], blocks_to_swap_in: list[tuple[int, int]],
-                    blocks_to_copy: list[tuple[int, int]], blocks_to_offload: list[tuple[int, int]] = (),
-                    blocks_to_load: list[tuple[int, int]] = ()) -> tuple[dict, dict]:
-        """Copy the blocks the scheduler moved (vLLM's cache engine): preempted requests' KV out to the swap
-        pool and evicted cached blocks' KV to the host tier (reads of the device pool first), returning requests'
-        KV and host-tier hits back in, then copy-on-write copies inside the device pool. Returns the host tier's
-        copies that failed, out and in, each with its error (a failed swap or copy-on-write raises: the step fails)."""
-        self._copy_blocks(blocks_to_swap_out, self.kv_cache, self.host_kv_cache)
-        failed_offloads = self._copy_tier_blocks(blocks_to_offload, self.kv_cache, self.offload_kv_cache)
-        self._copy_blocks(blocks_to_swap_in, self.host_kv_cache, self.kv_cache)
-        failed_loads = self._copy_tier_blocks(blocks_to_load, self.offload_kv_cache, self.kv_cache)
-        self._copy_blocks(blocks_to_copy, self.kv_cache, self.kv_cache)
-        return failed_offloads, failed_loads
-
-    def _copy_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor, dst: torch.Tensor) -> None:
-        if mapping:
-            src_ids, dst_ids = zip(*mapping)
-            dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
-
-    def _copy_tier_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor,
-                          dst: torch.Tensor) -> dict[tuple[int, int], Exception]:
-        """The host tier's copies, one block at a time, so that one that fails costs only its own block: the tier
-        holds copies of cache entries (kv_offload/). A host block whose offload failed holds nothing to load
-        until an offload fills it. A worker rank cannot say which copy failed: it raises, as on any failure."""
-        failed = {}
-        offloading = dst is self.offload_kv_cache
-        for src_id, dst_id in mapping:
-            try:
-                if not offloading and src_id in self.lost_offload_blocks:
-                    raise RuntimeError(f"host block {src_id} holds no KV: copying it out failed")
-                self._copy_blocks([(src_id, dst_id)], src, dst)
-            except Exception as error:
-                if self.rank != 0:
-                    raise
-                way = "out to" if offloading else "back from"
-                failed[src_id, dst_id] = RuntimeError(f"kv_offloading: copying KV {way} host memory failed: {error}")
-                if offloading:
-                    self.lost_offload_blocks.add(dst_id)
-            else:
-                if offloading:
-                    self.lost_offload_blocks.discard(dst_id)
-        return failed
+    def copy_blocks(self, mapping: list[tuple[int, int]], src: str = "device", dst: str = "device") -> None:
+        """Copy KV blocks (source, destination) between pools: "device" (kv_cache) or a host pool's name. Within
+        the device pool it is copy-on-write's copy (vLLM's cache engine); between pools, swap and offloading's."""
+        src_ids, dst_ids = zip(*mapping)
+        src_pool, dst_pool = (self.kv_cache if name == "device" else self.kv_pools[name] for name in (src, dst))
+        dst_pool[:, :, list(dst_ids)] = src_pool[:, :, list(src_ids)].to(dst_pool.device)
 
     def _profile_num_blocks(self) -> int:
         """Size the pool from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves."""
         if self.device.type == "cpu":
             return int(self.config.cpu_kvcache_space * 2**30) // self._block_bytes()
-        # Warm up with the largest prefill the scheduler may send, on a temporary cache sized for it;
-        # counting that cache as activation memory errs on the safe side.
-        cfg = self.config
-        num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
-        blocks_per_seq = cdiv(cfg.max_model_len, self.block_size)
-        torch.cuda.reset_peak_memory_stats()  # the peak must be this warm-up's, not an earlier engine's
-        self._allocate_kv_cache(num_seqs * blocks_per_seq)
-        greedy = SamplingParams(temperature=0.0)
-        seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, self.block_size) for _ in range(num_seqs)]
-        # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
-        num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
-        out = SchedulerOutput()
-        for i, seq in enumerate(seqs):
-            seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
-            seq.num_computed_tokens = cfg.max_model_len - num_tokens
-            out.add(seq, num_tokens)
-        inputs = InputBuilder.from_config(cfg).prepare_inputs(out)
-        self.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
-        torch.cuda.synchronize()
-        del self.kv_cache
-        for layer in self.attn_layers:
-            layer.k_cache = layer.v_cache = torch.tensor([])
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info()
-        stats = torch.cuda.memory_stats()
-        activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
-        available = total * cfg.gpu_memory_utilization - (total - free) - activations
-        return int(available) // self._block_bytes() - 1  # minus the scratch block
+        return profile_num_blocks(self)  # (engine/cuda_graph.py)
 
-    # ---- one step: placeholders, forward (every rank), sampling (rank 0) ----------------------
-    @torch.inference_mode()
-    def fill_placeholders(self, inputs: ModelInput | None) -> None:
-        """Async scheduling: write the previous step's sampled ids, still on the device, into this step's
-        placeholder rows of input_ids (no wait for the host). Steps run one at a time, in planning order."""
-        prev, self.prev_sampled = self.prev_sampled, None
-        if inputs is None or prev is None:
-            return
-        prev_rows, prev_tokens = prev
-        # A placeholder the previous step has no token for: that step failed, and so did the request.
-        rows = [(row, prev_rows[i]) for row, i in zip(inputs.placeholder_rows, inputs.placeholder_seq_ids)
-                if i in prev_rows]
-        if rows:
-            dst, src = zip(*rows)
-            inputs.input_ids[self._tensor(dst)] = prev_tokens[self._tensor(src)]
-
+    # ---- one step: forward (every rank), sampling (rank 0) ---------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   logits_rows: torch.Tensor, draft: bool = False) -> torch.Tensor | None:
@@ -209,12 +119,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """A token id per sampling row, as a device tensor, kept for the next step's placeholders (async
-        scheduling). The logprobs asked for are recorded on their sequences."""
+        """A token id per sampling row, as a device tensor. The logprobs asked for are recorded on their sequences."""
         verify = self.seams.sample  # the seam: speculative decoding's verification instead of a draw
-        sampled = self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
-        self.prev_sampled = ({seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
-        return sampled
+        return self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
 
     def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """The sampler's token for each sampling row (layers/sampler.py tells which)."""
@@ -242,13 +149,6 @@ class ModelRunner:
 
     def _tensor(self, data: list) -> torch.Tensor:
         return to_device(data, torch.int64, self.device)
-
-    def parameter_shapes(self) -> list[dict[str, tuple[int, ...]]] | None:
-        """Every rank's parameter shapes, gathered on rank 0 (a debug call: `executor.call("parameter_shapes")`)."""
-        shapes = {name: tuple(p.shape) for name, p in self.model.named_parameters()}
-        gathered = [{} for _ in range(dist.get_world_size())] if self.rank == 0 else None
-        dist.gather_object(shapes, gathered, dst=0)
-        return gathered
 
     def apply(self, fn: Callable, *args) -> object:
         """fn(self, *args): a feature's work on this rank's model (`executor.call("apply", fn, ...)` runs it on

@@ -5,9 +5,6 @@ import torch
 from nanoserve.engine.sequence import Sequence
 from nanoserve.speculative_config import SpecDecodingStats
 
-# A verification row past a request's emitted run: the sampler emitted nothing there (speculative decoding).
-PLACEHOLDER_TOKEN_ID = -1
-
 
 @dataclass
 class SchedulerOutput:
@@ -17,7 +14,8 @@ class SchedulerOutput:
     token only if that reaches its end (do_sample[i]). The block copies run before the forward: those that read
     the device pool (swap-outs, offloads) before those that write it (a block they free may be a destination).
     A step never swaps both ways (swap-ins wait for a step that preempted nobody), and a sequence that got a copy
-    this step is never preempted in it.
+    this step is never preempted in it. The fields after blocks_to_copy are the chapters' (swap, the host tier,
+    speculative decoding, beam search): they stay empty for a plain request.
     """
 
     seqs: list[Sequence] = field(default_factory=list)

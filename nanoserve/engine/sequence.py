@@ -1,11 +1,8 @@
 """A request and its sequences, the units the scheduler moves: a `Sequence` (tokens, status, block_table,
-num_computed_tokens), a `Request` (its n sequences, their detokenizers), and the `RequestQueue`s they wait in
-(vLLM's request_queue.py: in arrival order, or sorted by priority)."""
-import bisect
+num_computed_tokens), a `Request` (its n sequences, their detokenizers), and the `RequestQueue` they wait in."""
 from collections import deque
 from collections.abc import Iterator
 from enum import Enum, auto
-from time import monotonic
 
 import torch
 
@@ -13,27 +10,25 @@ from nanoserve.engine.output_processor import IncrementalDetokenizer
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.utils.math import cdiv
 
 
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
-    SWAPPED = auto()  # preempted with its KV copied to host memory (preemption_mode="swap")
+    SWAPPED = auto()  # preempted with its KV copied to host memory (the swap chapter, nanoserve/scheduling/swap.py)
     FINISHED = auto()
 
 
 class Sequence:
-    """One sequence of a request (Request, below; n > 1 gives it several): its tokens, where their KV
-    lives, and how far the model has got. The scheduler and the model runner see only sequences."""
+    """One sequence of a request (n > 1 gives it several): its tokens, where their KV lives, and how far the
+    model has got. The scheduler and the model runner see only sequences."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
                  priority: int = 0, request_id: str = "", index: int = 0, lora_request: LoRARequest | None = None):
         self.seq_id = seq_id  # ids count up in arrival order
-        self.request_id = request_id  # the caller's name for it
-        self.index = index  # which of the request's n sequences (SamplingParams.n) it is
+        self.request_id, self.index = request_id, index  # the caller's name for it; which of its request's n
         self.group = [self]  # the request's n sequences: Request.seqs, one list shared by all of them
-        self.priority = priority  # scheduling_policy="priority": lower values are served first
+        self.priority, self.lora_request = priority, lora_request  # records a chapter reads (priority, LoRA)
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -42,15 +37,14 @@ class Sequence:
         self.block_table: list[int] = []  # logical block i of this sequence lives in physical block_table[i]
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being computed): resume from here
-        # Async scheduling: tokens a step in flight is sampling, not yet known. They count in len(seq), so the
-        # next step is planned (blocks, positions) as if they were there (vLLM's num_output_placeholders).
+        # Tokens a step in flight is still sampling (async scheduling, 0 otherwise): counted in len(seq), so the
+        # next step is planned as if they were there (vLLM's num_output_placeholders).
         self.num_output_placeholders = 0
-        # Lookahead tokens (seed 001's lookahead slots): guesses the next step computes after the newest token and
-        # keeps only as far as they are verified. Speculative decoding's drafts (nanoserve/spec_decode/) fill them.
+        # Lookahead slots (seed 001): guesses the next step computes after the newest token and keeps only as far
+        # as they are verified. Speculative decoding's drafts (nanoserve/spec_decode/) fill them.
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.raw_logits = False  # its request picks its own tokens from the raw logits (beam search): none is drawn
-        self.lora_request = lora_request  # its LoRA adapter, if any (nanoserve/lora/ serves it)
+        self.raw_logits = False  # its request picks its own tokens from the raw logits (beam search): none drawn
         self.grammar = None  # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
@@ -83,13 +77,12 @@ class Sequence:
     @property
     def num_outputs_in_flight(self) -> int:
         """Output tokens before the one the planned step samples that are not known yet: with async scheduling,
-        1 while the step before is still sampling it, else 0. (Read on a sequence that samples in the planned
-        step: its own placeholder counts from then on; a fork samples from its parent's row and has none.)"""
+        1 while the step before is still sampling it, else 0."""
         return max(self.num_output_placeholders - 1, 0)
 
     @property
     def num_blocks(self) -> int:
-        return cdiv(len(self), self.block_size)
+        return (len(self) + self.block_size - 1) // self.block_size  # ceiling division
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
@@ -99,9 +92,8 @@ class Sequence:
 
 
 class Request:
-    """One request (vLLM's name): its prompt, sampling params, priority and arrival time, and its n sequences
-    (SamplingParams.n), each with its detokenizer. EngineCore keeps them by request id; the scheduler sees
-    only the sequences (`seq.group` is `request.seqs`)."""
+    """One request (vLLM's name): its prompt, sampling params and its n sequences (SamplingParams.n), each with its
+    detokenizer. EngineCore keeps them by request id; the scheduler sees only the sequences (`seq.group`)."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
                  block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0,
@@ -109,8 +101,6 @@ class Request:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
-        self.priority = priority
-        self.arrival_time = monotonic()
         self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i,
                               lora_request) for i in range(sampling_params.n)]
         for seq in self.seqs:
@@ -120,8 +110,8 @@ class Request:
 
     @property
     def first_seq(self) -> Sequence:
-        """The sequence that prefills the prompt for all n (the others fork from it): the scheduler gets this
-        one; its cache hits and prompt logprobs are the request's."""
+        """The sequence that prefills the prompt for all n (the others fork from it): its cache hits and prompt
+        logprobs are the request's."""
         return self.seqs[0]
 
     @property
@@ -135,27 +125,12 @@ def num_seats(seq: Sequence) -> int:
     return seq.sampling_params.n if seq.num_completion_tokens == 0 else 1
 
 
-def priority_key(seq: Sequence) -> tuple[int, int]:
-    """Lower priority value first; ties by arrival (seq ids count up in arrival order)."""
-    return seq.priority, seq.seq_id
-
-
 class RequestQueue(deque):
-    """waiting, running or swapped (vLLM's request_queue.py). FCFS: arrival order, a preempted request back at
-    the front. Priority: sorted by (priority, arrival), so the head is the most urgent and the tail of running
-    the first to give its blocks up."""
-
-    def __init__(self, policy: str = "fcfs"):
-        super().__init__()
-        self.by_priority = policy == "priority"
+    """waiting or running (vLLM's request_queue.py): first come, first served; a preempted request goes back to
+    the front. (The priority chapter sorts it instead: nanoserve/scheduling/priority.py.)"""
 
     def add(self, seq: Sequence, front: bool = False) -> None:
-        if self.by_priority:
-            bisect.insort(self, seq, key=priority_key)
-        elif front:
-            self.appendleft(seq)
-        else:
-            self.append(seq)
+        self.appendleft(seq) if front else self.append(seq)
 
     def pop_group(self) -> list[Sequence]:
         """The head with the other sequences of its request in this queue (n > 1), taken out together."""

@@ -2,15 +2,21 @@
 device pool evicts keeps its KV in host memory, under the same hash; a prompt whose prefix the device misses finds
 the rest here and copies it back into fresh device blocks instead of recomputing it (docs/kv_offload.md).
 
-It plugs in at one seam, kv_cache_tier (engine/seams.py): the BlockManager calls `offload` when it hands out a free
+It plugs in at the kv_cache_tier seam (engine/seams.py): the BlockManager calls `offload` when it hands out a free
 block that is still cached, `lookup` and `load` on a prefix miss. This file keeps the host tier's books (which hash
-each host block holds, least recently used first); the KV itself lives in each rank's ModelRunner.offload_kv_cache,
-and the copies ride in the step's plan (SchedulerOutput.blocks_to_offload, blocks_to_load), run before the forward.
-An after_step hook, `forget_failed`, drops the host blocks whose copies failed.
+each host block holds, least recently used first); the KV itself lives in each rank's ModelRunner.kv_pools (under
+"kv_offloading_size"), and the copies ride in the step's plan (SchedulerOutput.blocks_to_offload, blocks_to_load,
+taken in at the after_schedule seam), run before the forward (move_kv), one block at a time: a failed copy costs
+only its block.
+A failed load fails exactly the requests holding its block (before_update); `forget_failed` (after_step) drops the
+host blocks whose copies failed.
 """
+import weakref
 from collections import OrderedDict
 
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
 
 
@@ -27,6 +33,7 @@ class HostKVTier:
         self.pinned: set[int] = set()
         self.blocks_to_offload: list[tuple[int, int]] = []
         self.blocks_to_load: list[tuple[int, int]] = []
+        self.lost_blocks: set[int] = set()  # host blocks whose offload failed: they hold no KV until one succeeds
         self.stats = stats
 
     def offload(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:
@@ -74,16 +81,71 @@ class HostKVTier:
                 self.free_block_ids.append(host_id)
         return []
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The step's copies, for its plan: out to the host (device, host) and back in (host, device)."""
-        copies = self.blocks_to_offload, self.blocks_to_load
+    def take_copies(self, out: SchedulerOutput) -> None:
+        """The after_schedule seam: the step's copies join its plan, out to the host (device, host) and back in
+        (host, device); the books reset."""
+        out.blocks_to_offload, out.blocks_to_load = self.blocks_to_offload, self.blocks_to_load
         self.blocks_to_offload, self.blocks_to_load, self.pinned = [], [], set()
-        return copies
+
+    def move(self, out: SchedulerOutput, executor, way: str) -> None:
+        """The move_kv seam: the step's offloads (out), then its loads (in), on every rank; the ones that failed
+        go back with the plan (rank 0's say: a worker whose copy fails raises, as on any failure)."""
+        if way == "out" and out.blocks_to_offload:
+            out.failed_offloads = executor.call("apply", copy_tier_blocks, out.blocks_to_offload, True,
+                                                self.lost_blocks)
+        elif way == "in" and out.blocks_to_load:
+            out.failed_loads = executor.call("apply", copy_tier_blocks, out.blocks_to_load, False, self.lost_blocks)
+
+
+def copy_tier_blocks(runner: ModelRunner, mapping: list[tuple[int, int]], offloading: bool,
+                     lost_blocks: set[int]) -> dict[tuple[int, int], Exception]:
+    """On a rank (ModelRunner.apply): the host tier's copies, one block at a time, so that one that fails costs
+    only its own block: the tier holds copies of cache entries. A host block whose offload failed holds nothing
+    to load until an offload fills it. Returns the copies that failed, with why."""
+    failed = {}
+    src, dst = ("device", "kv_offloading_size") if offloading else ("kv_offloading_size", "device")
+    for src_id, dst_id in mapping:
+        try:
+            if not offloading and src_id in lost_blocks:
+                raise RuntimeError(f"host block {src_id} holds no KV: copying it out failed")
+            runner.copy_blocks([(src_id, dst_id)], src, dst)
+        except Exception as error:
+            if runner.rank != 0:
+                raise
+            way = "out to" if offloading else "back from"
+            failed[src_id, dst_id] = RuntimeError(f"kv_offloading: copying KV {way} host memory failed: {error}")
+            if offloading:
+                lost_blocks.add(dst_id)
+        else:
+            if offloading:
+                lost_blocks.discard(dst_id)
+    return failed
+
+
+def fail_invalid_blocks(engine: EngineCore, out: SchedulerOutput) -> list[EngineCoreOutput]:
+    """The before_update seam: some of the step's loads failed, so the blocks they were to fill hold no valid KV.
+    They leave the prefix cache, and exactly the requests whose sequences hold them fail."""
+    if not out.failed_loads:
+        return []
+    invalid = {block_id for _, block_id in out.failed_loads}
+    engine.block_manager.uncache(invalid)
+    seqs = [seq for seq in engine.scheduler.running if not invalid.isdisjoint(seq.block_table)]
+    # Async scheduling: a step planned since may have swapped a holder out (the swap chapter), its bad KV with it.
+    swapped_out = {host for planned, _ in getattr(engine, "batch_queue", ()) for device, host in
+                   planned.blocks_to_swap_out if device in invalid}
+    seqs += [seq for seq in getattr(engine.scheduler, "swapped", ()) if not swapped_out.isdisjoint(seq.block_table)]
+    return engine.fail(seqs, next(iter(out.failed_loads.values())))
 
 
 def plug_in(engine: EngineCore) -> HostKVTier:
-    """Give the engine a host tier as large as its model runner's offload pool (kv_offloading_size GiB)."""
-    tier = HostKVTier(engine.model_runner.num_offload_blocks, engine.scheduler.stats)
+    """Give every rank a host pool of kv_offloading_size GiB (not shared with the swap pool: docs/kv_offload.md
+    says why) and the engine a host tier with its books."""
+    num_blocks = engine.executor.call("allocate_host_pool", "kv_offloading_size", engine.config.kv_offloading_size)
+    tier = HostKVTier(num_blocks, engine.scheduler.stats)
+    weak = weakref.proxy(engine)  # (the engine owns its seams: a strong reference back would keep it alive)
     engine.seams.kv_cache_tier = tier
+    engine.seams.after_schedule.append(tier.take_copies)
+    engine.seams.move_kv.append(tier.move)
+    engine.seams.before_update.append(lambda out: fail_invalid_blocks(weak, out))
     engine.seams.after_step.append(tier.forget_failed)
     return tier

@@ -4,14 +4,15 @@ through both (serving/proxy.py). It buys control, not throughput: a long prompt 
 other requests, since they run on another engine (docs/disaggregated.md).
 
 It plugs in at the kv_connector seam (engine/seams.py, in vLLM's KVConnectorBase_V1 shape: connector.py), at
-request_options (a request's kv_transfer_params), admits (a consumer's request waits for its blocks), and
-before_forward and after_step (the KV into the consumer's blocks, out of the producer's). The KV
+request_checks and request_options (a request's kv_transfer_params), admits (a consumer's request waits for its
+blocks), after_schedule (the step's loads and saves join its plan), and move_kv and after_step (the KV into the
+consumer's blocks before the forward, out of the producer's after the step). The KV
 travels over a torch.distributed process group of the two engines (pipe.py).
 """
 from nanoserve.engine.core import EngineCore
-from nanoserve.kv_transfer.connector import KVTransferStats, P2pConnector, check_params
+from nanoserve.kv_transfer.connector import KVTransferStats, P2pConnector
 
-__all__ = ["plug_in", "check_request", "remote_prefill_params", "KVTransferStats", "P2pConnector"]
+__all__ = ["plug_in", "remote_prefill_params", "KVTransferStats", "P2pConnector"]
 
 
 def plug_in(engine: EngineCore) -> P2pConnector:
@@ -22,22 +23,15 @@ def plug_in(engine: EngineCore) -> P2pConnector:
                          "(each rank would have to send its own share of the KV)")
     connector = P2pConnector(engine, config.kv_transfer_config)
     engine.seams.kv_connector = connector
+    engine.seams.request_checks["kv_transfer_params"] = connector.check_request
     engine.seams.request_options["kv_transfer_params"] = connector.add_request
     engine.seams.admits.append(connector.admits)
-    engine.seams.before_forward.append(connector.start_load_kv)
+    engine.seams.after_schedule.append(connector.build_connector_meta)
+    engine.seams.move_kv.append(connector.start_load_kv)
     if config.kv_transfer_config.is_producer:
         engine.seams.after_step.append(connector.wait_for_save)
     engine.seams.features["kv_transfer"] = connector
     return connector
-
-
-def check_request(engine: EngineCore, params: dict) -> None:
-    """What the server asks before queueing a request with kv_transfer_params: a ValueError naming the key."""
-    connector = engine.seams.features.get("kv_transfer")
-    if connector is None:
-        raise ValueError("kv_transfer_params: this server has no kv_transfer_config (start it with "
-                         "--kv-transfer-config)")
-    check_params(params, connector.config)
 
 
 def remote_prefill_params(engine: EngineCore, params: dict | None) -> dict | None:

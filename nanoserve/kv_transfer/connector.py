@@ -101,10 +101,13 @@ class P2pConnector:
         self.meta = ConnectorMetadata()  # the step being planned
 
     # ---- requests (the request_options and admits seams) ---------------------------------------------
-    def add_request(self, request: Request) -> None:
-        """Check its kv_transfer_params; a consumer's request asks for the prompt blocks it lacks at once."""
-        params = request.sampling_params.kv_transfer_params
+    def check_request(self, params: object) -> None:
+        """The request_checks seam: a request's kv_transfer_params, before it is queued."""
         check_params(params, self.config)
+
+    def add_request(self, request: Request) -> None:
+        """The request_options seam: a consumer's request asks for the prompt blocks it lacks, at once."""
+        params = request.sampling_params.kv_transfer_params
         seq = request.first_seq
         if not params.get("do_remote_prefill") or seq.prompt_logprobs is not None:  # (that computes the prompt)
             return
@@ -122,13 +125,13 @@ class P2pConnector:
                 return i
         return len(hashes)
 
-    def admits(self, seq: Sequence, running: list[Sequence]) -> bool:
+    def admits(self, seq: Sequence, scheduler, out: SchedulerOutput) -> bool:
         """A consumer's request waits in the queue, keeping its place, until its blocks came or its time ran out."""
         pull = self.pulls.get(seq.request_id)
         if pull is None or pull.future.done():
             return True
         if time.monotonic() < pull.deadline:
-            if not running:  # nothing else to step for: wait here a little rather than spin through empty steps
+            if not scheduler.running:  # nothing else to step for: wait here a little, not spin through empty steps
                 try:
                     pull.future.exception(timeout=min(0.05, pull.deadline - time.monotonic()))
                 except TimeoutError:
@@ -179,9 +182,9 @@ class P2pConnector:
         self.stats.num_received_blocks += len(loads)
         self.stats.num_received_tokens += num_external
 
-    def build_connector_meta(self, out: SchedulerOutput) -> ConnectorMetadata:
-        """The step's loads (noted as requests got their blocks) and, on the producer, the blocks of every prompt
-        that this step completes, to save after its forward."""
+    def build_connector_meta(self, out: SchedulerOutput) -> None:
+        """The after_schedule seam: the step's loads (noted as requests got their blocks) and, on the producer, the
+        blocks of every prompt that this step completes, to save after it, go into its plan."""
         meta, self.meta = self.meta, ConnectorMetadata()
         for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
             params = seq.sampling_params.kv_transfer_params
@@ -190,12 +193,12 @@ class P2pConnector:
                 meta.saves += zip(hashes, seq.block_table)
         for request_id in [r for r in self.pulls if r not in self.requests]:  # aborted while waiting
             del self.pulls[request_id]
-        return meta
+        out.kv_connector_metadata = meta
 
-    # ---- the worker's side (the before_forward and after_step seams) ---------------------------------
-    def start_load_kv(self, out: SchedulerOutput, inputs: object) -> None:
-        """Before the forward: the received KV into its blocks."""
-        for kv, block_id in out.kv_connector_metadata.loads:
+    # ---- the worker's side (the move_kv and after_step seams) ---------------------------------------
+    def start_load_kv(self, out: SchedulerOutput, executor, way: str) -> None:
+        """Before the forward, with the copies that write the device pool ("in"): the received KV into its blocks."""
+        for kv, block_id in out.kv_connector_metadata.loads if way == "in" else ():
             self.kv_cache[:, :, block_id] = kv.to(self.kv_cache.device)
 
     def wait_for_save(self, out: SchedulerOutput, updated: dict) -> list:

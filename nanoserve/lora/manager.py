@@ -37,7 +37,7 @@ class LoRAManager:
     @classmethod
     def plug_in(cls, engine: EngineCore) -> "LoRAManager":
         manager = cls(engine)
-        engine.seams.check_lora_request = manager.check
+        engine.seams.request_checks["lora_request"] = manager.check
         engine.seams.admits.append(manager.admits)
         engine.seams.before_forward.append(manager.before_forward)
         return manager
@@ -49,7 +49,8 @@ class LoRAManager:
 
     # ---- requests: read the adapter, or say what is wrong with it ---------------------------------
     def check(self, lora: LoRARequest) -> None:
-        """The seam EngineCore.check_request calls: the adapter is read (or found read) before it is queued."""
+        """The request_checks seam (EngineCore.check_request): the adapter is read (or found read) before it is
+        queued."""
         with self.lock:
             if self.paths.setdefault(lora.lora_int_id, lora.lora_path) != lora.lora_path:
                 raise ValueError(f"lora_request: lora_int_id {lora.lora_int_id} is already the adapter at "
@@ -71,12 +72,12 @@ class LoRAManager:
         return adapter
 
     # ---- scheduling: at most max_loras adapters in the running batch ----------------------------------
-    def admits(self, seq: Sequence, running: list[Sequence]) -> bool:
+    def admits(self, seq: Sequence, scheduler, out: SchedulerOutput) -> bool:
         """The scheduler's admission seam (seed 001): may seq join the running ones without making more than
         max_loras adapters among them? Base-model requests always may."""
         if seq.lora_request is None:
             return True
-        in_use = {s.lora_request.lora_int_id for s in running if s.lora_request is not None}
+        in_use = {s.lora_request.lora_int_id for s in scheduler.running if s.lora_request is not None}
         return seq.lora_request.lora_int_id in in_use or len(in_use) < self.max_loras
 
     # ---- each step, before its forward: slots, then each row's slot ------------------------------------

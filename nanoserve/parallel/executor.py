@@ -114,20 +114,30 @@ class MultiprocExecutor(Executor):
         # Pipeline stages: rank 0 takes the logits and samples in this thread (`submit`), behind the launches;
         # it ends with the Executor (a dead engine's next step then fails in its launch, saying why).
         self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if config.pipeline_parallel_size > 1 else None
-        if launched_by_torchrun():
-            self._join_torchrun(config)
-        else:
-            self._start_workers(config)
+        self.failed: str | None = None  # why this engine cannot run any more, once a step has failed
         try:
+            if launched_by_torchrun():
+                self._join_torchrun(config)
+            else:
+                self._start_workers(config)
             self.model_runner = make_runner(config, seams=seams)
-        except BaseException:
-            self.shutdown()  # don't leave the workers waiting for a rank 0 that will never come
+        except BaseException as error:
+            # A rank died, a collective timed out, a check failed after init_process_group: end the workers (don't
+            # leave them waiting for a rank 0 that will never come) and leave the process group now, not when the
+            # garbage collector gets to this half-built executor (the traceback keeps it alive): the next LLM in
+            # this process must find torch.distributed free.
+            dead = self.dead_workers()
+            self.shutdown()
+            if dead:
+                error.add_note(f"nanoserve: {dead} while the engine started")
             raise
 
     def _start_workers(self, config: Config) -> None:
         with socket.socket() as s:  # a free port for the group to meet on
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
+        # On `del llm`, garbage collection, interpreter exit or a failed start or step; it holds no reference to self.
+        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
         ctx = mp.get_context("spawn")
         for rank in range(1, world_size(config)):
             reader, writer = ctx.Pipe(duplex=False)
@@ -136,8 +146,6 @@ class MultiprocExecutor(Executor):
             reader.close()  # the worker has its copy: once it dies, writing fails instead of filling a buffer
             self.procs.append(proc)
             self.conns.append(writer)
-        # On `del llm`, garbage collection or interpreter exit; it holds no reference to self.
-        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
         init_process_group(config, 0, f"tcp://127.0.0.1:{port}")
 
     def _join_torchrun(self, config: Config) -> None:
@@ -152,11 +160,9 @@ class MultiprocExecutor(Executor):
         self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), closing)
 
     def submit(self, thread: ThreadPoolExecutor, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
-        """execute_model in the background (the batch queue's); the future gives the sampled ids. With pipeline
-        stages the launches run in `thread` and the finishes in a thread of their own, so that rank 0's stage
-        starts step N+1 while the later stages still run step N (its logits not back yet)."""
-        if self.receiver is None:
-            return thread.submit(self.execute_model, out, inputs)
+        """execute_model in the background for async scheduling's batch queue, with pipeline stages; the future
+        gives the sampled ids. The launches run in `thread` and the finishes in a thread of their own, so that
+        rank 0's stage starts step N+1 while the later stages still run step N (its logits not back yet)."""
         launched = thread.submit(self.launch, out, inputs)
         return self.receiver.submit(lambda: self.finish(out, *launched.result()))
 
@@ -166,13 +172,14 @@ class MultiprocExecutor(Executor):
             try:
                 logits = receive_logits(len(inputs.logits_rows), self.config.hf_config.vocab_size,
                                         self.config.torch_dtype, self.model_runner.device)
-            except RuntimeError:  # most often a dead worker: say which
-                self.check(timeout=1.0)
-                raise
+            except RuntimeError as error:  # most often a dead worker: say which
+                self.fail(error)
         return super().finish(out, inputs, logits)
 
     def call(self, method: str, *args):
         """model_runner.method(*args), after sending every worker the same call for its own runner."""
+        if self.failed is not None:
+            raise RuntimeError(f"{self.failed}: this LLM cannot run any more; create a new one")
         if not self.conns:
             return getattr(self.model_runner, method)(*args)
         buf = io.BytesIO()
@@ -181,16 +188,38 @@ class MultiprocExecutor(Executor):
             for conn in self.conns:
                 conn.send_bytes(buf.getbuffer())
             return getattr(self.model_runner, method)(*args)
-        except (OSError, RuntimeError):  # a broken pipe or a failed collective: most often a dead worker
-            self.check(timeout=1.0)  # if so, say which (giving a dying one a second to be reaped)
-            raise
+        except BaseException as error:  # a broken pipe or a failed collective (most often a dead worker), or else
+            self.fail(error)
 
-    def check(self, timeout: float = 0.0) -> None:
-        """Raise a clear error if a worker has exited (waiting up to timeout for one), after stopping the rest."""
+    def fail(self, error: BaseException):
+        """A step failed on rank 0 (a dead worker, a collective's timeout, a bug): the ranks no longer agree on
+        where they are, so the engine ends here: its workers, its process group (for the next LLM). Raises, saying
+        which worker died if one did (giving a dying one a second to be reaped)."""
+        self.check(timeout=1.0)
+        self.failed = f"a step failed ({type(error).__name__}: {(str(error).strip() or '?').splitlines()[0]})"
+        self.shutdown()
+        raise error
+
+    def dead_workers(self, timeout: float = 0.0) -> str | None:
+        """Which worker has exited (waiting up to timeout for one), and how; None while all live."""
         ended = wait([proc.sentinel for proc in self.procs], timeout)
         for rank, proc in enumerate(self.procs, start=1):
             if proc.sentinel in ended:
                 proc.join()
-                self.shutdown()
-                raise RuntimeError(f"worker rank {rank} (pid {proc.pid}) exited with code "
-                                   f"{proc.exitcode}: this LLM cannot run any more; create a new one")
+                return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
+
+    def check(self, timeout: float = 0.0) -> None:
+        """Raise a clear error if a worker has exited (waiting up to timeout for one), after stopping the rest."""
+        if (dead := self.dead_workers(timeout)) is not None:
+            self.failed = dead
+            self.shutdown()
+            raise RuntimeError(f"{dead}: this LLM cannot run any more; create a new one")
+
+
+def parameter_shapes(runner: ModelRunner) -> list[dict[str, tuple[int, ...]]] | None:
+    """Every rank's parameter shapes, gathered on rank 0 (a debug call: `executor.call("apply", parameter_shapes)`)."""
+    shapes = {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+    gathered = [{} for _ in range(dist.get_world_size())] if runner.rank == 0 else None
+    dist.gather_object(shapes, gathered, dst=0)
+    return gathered

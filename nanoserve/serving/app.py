@@ -171,8 +171,6 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
                           for p in prompts]
                 for ids, sp in zip(prompts, params):
                     core.check_request(ids, sp, request.priority, lora_request)
-                if request.kv_transfer_params is not None:  # disaggregated prefill (kv_transfer/)
-                    kv_transfer.check_request(core, request.kv_transfer_params)
                 streams = [engine.generate(ids, sp, request_id=f"{request_id}-{i}", priority=request.priority,
                                            lora_request=lora_request)
                            for i, (ids, sp) in enumerate(zip(prompts, params))]

@@ -65,11 +65,12 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
     """The KV pools block by block (the first max_blocks of each), the requests in each queue (the first
     max_requests) with their progress, and the scheduler's counters. Only in the engine thread, or while it
     has nothing to do: this walks what every step changes."""
-    scheduler, pool, host = core.scheduler, core.block_manager, core.scheduler.host_block_manager
-    queues = {"waiting": scheduler.waiting, "running": scheduler.running, "swapped": scheduler.swapped}
+    scheduler, pool = core.scheduler, core.block_manager
+    host = getattr(scheduler, "host_block_manager", None)  # the swap chapter's pool (scheduling/swap.py)
+    queues = {"waiting": scheduler.waiting, "running": scheduler.running, "swapped": getattr(scheduler, "swapped", [])}
     holders: dict[int, list[int]] = {}  # device block -> the sequences whose block table holds it
     host_holders: dict[int, list[int]] = {}  # the same in the host pool, for the swapped-out sequences
-    for where, queue in ((holders, scheduler.running), (host_holders, scheduler.swapped)):
+    for where, queue in ((holders, scheduler.running), (host_holders, queues["swapped"])):
         for seq in queue:
             for block_id in seq.block_table:
                 if block_id < max_blocks:

@@ -59,10 +59,11 @@ class ServedModels:
         """Load an adapter under a new name; a ValueError names what is wrong (the name, or the folder)."""
         if name == self.base_model_name or name in self.lora_requests:
             raise ValueError(f"lora_name: the model `{name}` is already served")
-        if self.core.seams.check_lora_request is None:  # (the engine's own seam; None without enable_lora)
+        check = self.core.seams.request_checks.get("lora_request")  # (the engine's seam; none without enable_lora)
+        if check is None:
             raise ValueError("lora_name: this server serves no adapters; start it with --enable-lora")
         lora = LoRARequest(name, next(self.lora_ids), path)
-        self.core.seams.check_lora_request(lora)  # reads the folder, or names what is wrong with it
+        check(lora)  # reads the folder, or names what is wrong with it
         self.lora_requests[name] = lora
         return lora
 

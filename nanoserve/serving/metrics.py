@@ -31,7 +31,8 @@ class EngineCollector(Collector):
         gauges = {
             "num_requests_running": ("Requests in the running batch", len(scheduler.running)),
             "num_requests_waiting": ("Requests waiting to be scheduled", len(scheduler.waiting)),
-            "num_requests_swapped": ("Requests whose KV is swapped out to host memory", len(scheduler.swapped)),
+            "num_requests_swapped": ("Requests whose KV is swapped out to host memory",
+                                     len(getattr(scheduler, "swapped", ()))),  # (the swap chapter's queue)
             "kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full)",
                                     1 - blocks.num_free_blocks / blocks.num_blocks),
         }

@@ -4,10 +4,10 @@ from collections.abc import Iterable
 import numpy as np
 
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID
 from nanoserve.engine.sequence import Sequence
 from nanoserve.spec_decode.accounting import num_spec_tokens_allowed
 from nanoserve.spec_decode.ngram_proposer import NgramProposer
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from nanoserve.speculative_config import SpeculativeConfig
 
 

@@ -14,7 +14,8 @@ output distribution. N-gram drafts have no distribution: q_j is all mass on d_j 
 import torch
 from torch import nn
 
-from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID
+# A verification row past a request's emitted run: the sampler emitted nothing there.
+PLACEHOLDER_TOKEN_ID = -1
 
 
 class RejectionSampler(nn.Module):

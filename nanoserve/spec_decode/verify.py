@@ -4,8 +4,7 @@ picks what to emit. A request without drafts in the same step is a verification 
 import torch
 
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.scheduler_output import PLACEHOLDER_TOKEN_ID
-from nanoserve.spec_decode.rejection_sampler import RejectionSampler
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 rejection_sampler = RejectionSampler()
 

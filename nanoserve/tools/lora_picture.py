@@ -87,7 +87,7 @@ def serve(model: str, adapter: str, arrive_every: int = 2) -> tuple[LLM, dict[in
         if pending and len(llm.trace) >= arrive_every * (len(ASK) - len(pending)):
             request_id, question, lora = pending.pop(0)
             llm.engine.add_request(request_id, chat_ids(llm.tokenizer, question), greedy, lora_request=lora)
-        for out in llm.engine.step_fn():
+        for out in llm.engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
     answer = lambda i: llm.tokenizer.decode(tokens[f"Q{i + 1}"], skip_special_tokens=True).strip()  # noqa: E731
     lines = [f"Q{i + 1} ({'pirate' if i % 2 else 'base'}) {q} -> {answer(i)!r}" for i, q in enumerate(ASK)]

