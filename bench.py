@@ -65,8 +65,8 @@ from transformers.generation.continuous_batching.utils import WorkloadHints
 
 from nanoserve import LLM, LoRARequest, SamplingParams
 from nanoserve.config import Config
-from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
-from nanoserve.layers.linear import linear, reorder_for_cpu
+from nanoserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, linear
+from nanoserve.layers.onednn import reorder_for_cpu
 from nanoserve.utils.default_model import find_default_gguf, resolve_model
 
 # Scenario defaults: (prompts, (min, max) input tokens, (min, max) output tokens). CPU-sized, except

@@ -32,6 +32,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.scheduling.priority import check_priority
 
         seams.request_checks["priority"] = check_priority
+    if config.device.startswith("cuda") or config.async_scheduling:  # where host time matters: persistent_batch.py
+        from nanoserve.persistent_batch import InputBatch
+
+        seams.input_batch = InputBatch(config.block_size).flatten
     engine_class = EngineCore
     if config.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
         from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class

@@ -76,9 +76,8 @@ class SamplingParams:
                 raise ValueError("min_tokens: must be 0 with structured_outputs (the grammar decides where it ends)")
 
 
-# Every number a request may hold, in interval notation ("inf" is never reached, so floats must be finite).
-# A value outside its interval, NaN, infinity, a bool, a string or a float where an integer belongs is a
-# ValueError that names the field.
+# Every number a request may hold, in interval notation ("inf" is never reached, so floats must be finite): a value
+# outside it, NaN, infinity, a bool, a string or a float where an integer belongs is a ValueError naming the field.
 LIMITS: dict[str, tuple[type, str]] = {
     "n": (int, "[1, inf)"),
     "temperature": (float, "[0, inf)"),

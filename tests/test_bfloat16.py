@@ -13,7 +13,7 @@ from torch import nn
 
 from conftest import ARCHS, ROOMY_POOL, assert_within_ties, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers.linear import reorders_for_onednn
+from nanoserve.layers.onednn import reorders_for_onednn
 
 TIE = 0.1  # logits; the tiny models' logits spread with std ~1.6, and measured flips were at gaps <= 0.05
 MIN_SAME_SHARE = 0.75  # measured 0.81-0.88 on these models (8 prompts x 16 tokens)

@@ -1,4 +1,4 @@
-"""The "cpu" attention backend (layers/cpu_attention.py): a C++ kernel that reads the paged cache in place, in a
+"""The "cpu" attention backend (layers/attention.py): a C++ kernel that reads the paged cache in place, in a
 layout of its own within each block. Written through its own store function, read by its own attention, it
 equals the PyTorch path on every shape of batch; "auto" picks it on CPU in float32, and where it cannot be built
 "auto" keeps the PyTorch path while asking for it by name is a clear error."""

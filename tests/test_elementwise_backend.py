@@ -10,9 +10,10 @@ from conftest import ARCHS, ROOMY_POOL, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.layers.activation import SiluAndMul
-from nanoserve.layers.elementwise_backend import CPU_FORWARDS, compiled_forward
+from nanoserve.layers.elementwise_backend import CPU_FORWARDS
 from nanoserve.layers.layernorm import RMSNorm
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.layers.torch_compile import compiled_forward
 from nanoserve.utils.backends import pick_elementwise_backend
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 

@@ -1,16 +1,29 @@
-"""engine/input_batch.py without a model: a hand-made plan becomes exactly these tensors."""
+"""engine/input_batch.py without a model: a hand-made plan becomes exactly these tensors, with the core's plain
+loops and with the persistent input batch (nanoserve/persistent_batch.py, a chapter), which build the same."""
 import random
 
 import pytest
 import torch
+from test_reading_guide import files_run
 from test_scheduling_random import next_token, random_case
 
+from nanoserve import LLM
 from nanoserve.engine.input_batch import InputBuilder
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.persistent_batch import InputBatch
 from nanoserve.sampling_params import SamplingParams
+from nanoserve.spec_decode.accounting import accept_run
+from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 BS, VOCAB, EOS = 4, 100, 2
+BUILDERS = ["plain", "persistent"]
+
+
+def builder(kind: str, block_size: int = BS) -> InputBuilder:
+    """The core's InputBuilder, with its plain loops or with the persistent batch plugged in at its seam."""
+    return InputBuilder(block_size=block_size, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"),
+                        input_batch=InputBatch(block_size).flatten if kind == "persistent" else None)
 
 
 def make(seq_id: int, prompt: list[int], block_table: list[int], **params) -> Sequence:
@@ -30,7 +43,8 @@ def plan(*rows: tuple[Sequence, int]) -> SchedulerOutput:
     return out
 
 
-def test_a_mixed_batch_becomes_exactly_these_inputs():
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
     # a: a whole prompt of 6, n = 2 (its fork samples from the same row); b: a decode with a repetition penalty
     # and min_tokens; c: the first chunk of a 10-token prompt (samples nothing); d: async scheduling's decode of
     # a token the step before is still sampling (a placeholder).
@@ -47,8 +61,7 @@ def test_a_mixed_batch_becomes_exactly_these_inputs():
     out = plan((a, 6), (b, 1), (c, 4), (d, 1))
     assert [s.num_outputs_in_flight for s in (a, b, d)] == [0, 0, 1]
 
-    inputs = InputBuilder(block_size=BS, vocab_size=VOCAB, eos_token_ids=[EOS],
-                          device=torch.device("cpu")).prepare_inputs(out)
+    inputs = builder(kind).prepare_inputs(out)
     assert inputs.input_ids.tolist() == [10, 11, 12, 13, 14, 15, 25, 30, 31, 32, 33, 0]
     assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 5, 5, 0, 1, 2, 3, 3]
     # slot = block_table[p // 4] * 4 + p % 4
@@ -74,40 +87,16 @@ def test_a_mixed_batch_becomes_exactly_these_inputs():
     assert p.repetition_penalties.tolist() == [1.0, 1.0, 1.25, 1.0]
 
 
-def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch():
-    builder = InputBuilder(block_size=BS, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
-    assert builder.prepare_inputs(SchedulerOutput()) is None
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch(kind):
+    assert builder(kind).prepare_inputs(SchedulerOutput()) is None
     seq = make(0, [5, 6, 7], [2], temperature=0, logprobs=1, prompt_logprobs=0)
-    inputs = builder.prepare_inputs(plan((seq, 3)))
+    inputs = builder(kind).prepare_inputs(plan((seq, 3)))
     s = inputs.sampling
     assert (s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.penalties, s.min_tokens_mask) == (None,) * 6
     # logits rows: the sampled row first, then the prompt rows (position p scores token p + 1)
     assert inputs.logits_rows.tolist() == [2, 0, 1]
     assert inputs.logprobs == [(seq, None, 0), (seq, 1, 1), (seq, 2, 2)]
-
-
-def plain_inputs(out: SchedulerOutput, bs: int) -> dict[str, list]:
-    """The step's inputs built the plain way, a Python loop over every token: the reference for InputBatch."""
-    ids, positions, slots, logits_rows, samplers = [], [], [], [], []
-    for seq, start, n, do_sample, forks in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens,
-                                               out.do_sample, out.forks):
-        for p in range(start, start + n):
-            ids.append(seq.token_ids[p] if p < len(seq.token_ids) else 0)
-            positions.append(p)
-            slots.append(seq.block_table[p // bs] * bs + p % bs)
-        logits_rows += [len(ids) - 1] * (1 + len(forks)) * do_sample
-        samplers += [seq, *forks] * do_sample
-    params = [seq.sampling_params for seq in samplers]
-    columns = dict(  # (dtype, values, the value that means unused): None when no row uses it
-        temperatures=(torch.float32, [p.temperature for p in params], 0),
-        top_ks=(torch.int64, [VOCAB if p.top_k == -1 else p.top_k for p in params], VOCAB),
-        top_ps=(torch.float32, [p.top_p for p in params], 1), min_ps=(torch.float32, [p.min_p for p in params], 0))
-    width = max(len(seq.block_table) for seq in out.seqs)
-    return dict(input_ids=ids, positions=positions, slot_mapping=slots, logits_rows=logits_rows,
-                **{name: torch.tensor(values, dtype=dtype).tolist() if any(v != unused for v in values) else None
-                   for name, (dtype, values, unused) in columns.items()},
-                block_tables=[seq.block_table + [-1] * (width - len(seq.block_table)) for seq in out.seqs],
-                context_lens=[start + n for start, n in zip(out.num_computed_tokens, out.num_scheduled_tokens)])
 
 
 def as_lists(inputs) -> dict:
@@ -128,9 +117,9 @@ def as_lists(inputs) -> dict:
 @pytest.mark.parametrize("seed", range(40))
 def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models, seed):
     """Random arrivals, chunked prefill, preemption (recompute and swap), copy-on-write forks (n > 1), prefix
-    caching and finishing (test_scheduling_random's cases), with random sampling options per request: one
-    InputBuilder kept across the steps builds exactly what a new one builds each step, and what a plain
-    Python loop over the tokens builds."""
+    caching, lookahead tokens with random rollbacks (every other case) and finishing (test_scheduling_random's
+    cases), with random sampling options per request: one persistent batch kept across the steps builds exactly
+    what a new one builds each step, and what the core's plain loops build."""
     rng = random.Random(seed)
     config, requests, scheduler = random_case(rng, tiny_models["qwen3"], prefix_caching=seed % 2 == 0)
     for _, first in requests:
@@ -139,11 +128,8 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
         p.min_p, p.min_tokens = rng.choice([0.0, 0.1]), rng.choice([0, 0, 2])
         p.presence_penalty, p.repetition_penalty = rng.choice([0.0, 0.0, 0.5]), rng.choice([1.0, 1.0, 1.2])
 
-    def builder() -> InputBuilder:
-        return InputBuilder(block_size=config.block_size, vocab_size=VOCAB, eos_token_ids=[EOS],
-                            device=torch.device("cpu"))
-
-    kept, num_steps = builder(), 0
+    kept, num_steps, drafts = builder("persistent", config.block_size), 0, seed % 2 == 1
+    scheduler.seams.accept_lookahead = accept_run  # speculative decoding's rollback, as its chapter plugs it in
     for t in range(10_000):
         while requests and requests[0][0] <= t:
             scheduler.add(requests.pop(0)[1])
@@ -151,22 +137,59 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
             if not requests:
                 break
             continue
+        for seq in scheduler.running if drafts else []:  # as the proposer sets them: for decoding sequences
+            if seq.num_computed_tokens == len(seq.token_ids) - 1:
+                seq.spec_token_ids = [rng.randint(3, 9) for _ in range(rng.randint(0, 3))]
         out = scheduler.schedule()
         if out.seqs:
             inputs = as_lists(kept.prepare_inputs(out))
-            assert inputs == as_lists(builder().prepare_inputs(out)), f"step {t}"
-            plain = plain_inputs(out, config.block_size)
-            assert {name: inputs[name] and inputs[name][1] for name in plain} == plain, f"step {t}"
+            assert inputs == as_lists(builder("persistent", config.block_size).prepare_inputs(out)), f"step {t}"
+            assert inputs == as_lists(builder("plain", config.block_size).prepare_inputs(out)), f"step {t}"
             num_steps += 1
-        scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
-                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
+        token_ids = []
+        for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks):
+            lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, []) if do_sample else []
+            if lookahead:  # a random accepted run, then the verifier's token; placeholders for the rejected rest
+                run = lookahead[: rng.randint(0, len(lookahead))]
+                rejected = [PLACEHOLDER_TOKEN_ID] * (len(lookahead) - len(run))
+                token_ids += run + [next_token(seq.token_ids + run)] + rejected
+            elif do_sample:
+                token_ids += [next_token(s.token_ids, s.index) for s in [seq, *forks]]
+        scheduler.postprocess(out, token_ids)
     assert scheduler.is_finished() and num_steps > 0
 
 
-def test_a_tiny_temperature_still_counts_as_used():
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_a_tiny_temperature_still_counts_as_used(kind):
     # 1e-50 is 0 in float32: the "no row uses it" test must see the value as given, as a list of floats would.
-    builder = InputBuilder(block_size=BS, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
-    inputs = builder.prepare_inputs(plan((make(0, [5, 6], [1], temperature=0), 2), (make(1, [7], [2]), 1)))
+    kept = builder(kind)
+    inputs = kept.prepare_inputs(plan((make(0, [5, 6], [1], temperature=0), 2), (make(1, [7], [2]), 1)))
     assert inputs.sampling.temperatures.tolist() == [0.0, 1.0]
     seq = make(2, [5, 6], [3], temperature=1e-50)
-    assert builder.prepare_inputs(plan((seq, 2))).sampling.temperatures.tolist() == [0.0]
+    assert kept.prepare_inputs(plan((seq, 2))).sampling.temperatures.tolist() == [0.0]
+
+
+@pytest.mark.parametrize("kind", BUILDERS)
+def test_lookahead_tokens_are_inputs_and_each_gets_a_sampling_row(kind):
+    # a verifies 2 drafts after its newest token (rows 2, 3, 4: 1 + k sampling rows); b's request picks its own
+    # tokens (raw_logits: scored, nothing drawn), its row after the sampled ones.
+    a = make(0, [10, 11, 12], [3, 6], temperature=0, presence_penalty=0.5)
+    a.append_token(13)
+    a.num_computed_tokens, a.spec_token_ids = 3, [14, 15]
+    b = make(1, [20, 21], [5], temperature=0)
+    b.raw_logits = True
+    inputs = builder(kind).prepare_inputs(plan((a, 3), (b, 2)))
+    assert inputs.input_ids.tolist() == [13, 14, 15, 20, 21]
+    assert inputs.positions.tolist() == [3, 4, 5, 0, 1]
+    assert inputs.meta.slot_mapping.tolist() == [15, 24, 25, 20, 21]
+    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and inputs.raw_rows == [3]
+    assert inputs.sample_seq_ids == [0, 0, 0] and inputs.spec_decode_tokens == {0: [14, 15]}
+    # row (a, j) counts a's first j drafts as output (penalties)
+    assert inputs.sampling.penalties.output_token_ids.tolist() == [[13, VOCAB, VOCAB], [13, 14, VOCAB], [13, 14, 15]]
+
+
+@pytest.mark.parametrize("options, joins", [({}, False), ({"async_scheduling": True}, True)])
+def test_the_chapter_joins_with_async_scheduling_and_not_for_a_plain_request(tiny_models, options, joins):
+    llm = LLM(tiny_models["qwen3"], **options)
+    ran = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False))
+    assert ("nanoserve/persistent_batch.py" in ran) == joins == (llm.engine.seams.input_batch is not None)

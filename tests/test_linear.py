@@ -1,5 +1,5 @@
 """The CPU matmul path: where reorders_for_onednn says the CPU can, weights are reordered once for oneDNN
-(layers/linear.py) and give the plain matmul's results; the engine runs on them with greedy output still equal to
+(layers/onednn.py) and give the plain matmul's results; the engine runs on them with greedy output still equal to
 transformers'. The AVX2 laptop's path (no oneDNN bfloat16) is exercised on any x86 machine by a subprocess
 started with PyTorch's and oneDNN's ISA lowered to AVX2."""
 import json
@@ -14,7 +14,8 @@ from torch import nn
 
 from conftest import ROOMY_POOL, assert_within_ties, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers.linear import linear, reorder_for_cpu, reorders_for_onednn
+from nanoserve.layers.linear import linear
+from nanoserve.layers.onednn import reorder_for_cpu, reorders_for_onednn
 
 AVX2_LAPTOP = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}  # read when torch loads
 
@@ -66,7 +67,7 @@ AVX2_RUN = """
 import json, sys, torch
 from torch import nn
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers.linear import reorders_for_onednn
+from nanoserve.layers.onednn import reorders_for_onednn
 prompts, result = json.loads(sys.argv[2]), {"capability": torch.backends.cpu.get_cpu_capability()}
 for dtype in ("float32", "bfloat16"):  # (PyTorch's attention and elementwise ops: compiling the C++ kernels for
     # AVX2 would take a minute, for nothing this test checks; CI's AVX2 pass tests those kernels themselves)

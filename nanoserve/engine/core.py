@@ -26,7 +26,7 @@ class EngineCore:
         self.executor = (self.seams.executor_class or Executor)(config, self.seams)
         try:  # a failed start ends the executor's workers and process group now (parallel/executor.py)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-            self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors)
+            self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors, self.seams.input_batch)
             self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                               config.enable_prefix_caching, self.seams)
             self.scheduler = (self.seams.scheduler_class or Scheduler)(config, self.block_manager, self.seams)

@@ -1,25 +1,45 @@
-"""A step's plan (SchedulerOutput) -> the tensors the model and the sampler take (ModelInput), built on the host.
-
-With async scheduling this runs while the step before is on the GPU, so it reads only the plan: a token that
-step is still sampling is a placeholder here (input id 0, output id -1), filled in on the device later.
+"""A step's plan (SchedulerOutput) -> the tensors the model and the sampler take (ModelInput), built on the host
+with plain loops over the batch's tokens, as nano-vllm's prepare_prefill/prepare_decode do. Where host time
+matters (CUDA, async scheduling) the persistent input batch (nanoserve/persistent_batch.py) builds the same
+host arrays from rows kept between steps (the seam Seams.input_batch).
 Nothing here needs a model: tests/test_input_batch.py builds inputs from a hand-made plan.
 """
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from nanoserve.config import Config
-from nanoserve.engine.persistent_batch import InputBatch, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.sampler import LogitsProcessor, PenaltyMetadata, SamplingMetadata
 
+# The sampling parameters a row may set, each with the value that means "unused": a column no row uses is None.
+PARAMS = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
+          "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
 LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
 # A sampling row: (seq, j), seq's next token after its first j lookahead tokens (a verification has 1 + k rows).
 SamplingRow = tuple[Sequence, int]
+
+
+@dataclass
+class StepArrays:
+    """One step's batch on the host, in the plan's order (lists here, numpy arrays from the persistent batch)."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slot_mapping: list[int] = field(default_factory=list)  # each token's cache slot
+    block_tables: list[list[int]] = field(default_factory=list)
+    q_lens: list[int] = field(default_factory=list)  # the tokens each sequence computes
+    context_lens: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)  # per sampling row, the batch row it samples from
+    raw_rows: list[int] = field(default_factory=list)  # the same for requests that pick their own (raw_logits)
+    params: dict[str, list] | None = None  # per name of PARAMS, a value per sampling row (None: read them here)
+    placeholder_rows: list[int] = field(default_factory=list)  # async scheduling: tokens the step before is...
+    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...still sampling, of these sequences
 
 
 @dataclass
@@ -33,11 +53,11 @@ class ModelInput:
     logits_rows: torch.Tensor  # the rows of the flat batch whose logits are computed
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
-    placeholder_rows: list[int]  # rows of input_ids whose token the previous step is still sampling...
-    placeholder_seq_ids: list[int]  # ...for these sequences
     logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
     raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits), after the sampled ones
+    placeholder_rows: list[int] = field(default_factory=list)  # rows of input_ids the step before still samples...
+    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...for these sequences (async scheduling)
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -56,23 +76,21 @@ class InputBuilder:
     eos_token_ids: list[int]
     device: torch.device
     logits_processors: list[LogitsProcessor] = field(default_factory=list)  # a seam (engine/seams.py)
-    batch: InputBatch = field(init=False)  # the rows that persist between steps
-
-    def __post_init__(self) -> None:
-        self.batch = InputBatch(self.block_size, self.vocab_size)
+    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None  # a seam: None, the plain loops (flatten)
 
     @classmethod
-    def from_config(cls, config: Config, logits_processors: list[LogitsProcessor] | None = None) -> "InputBuilder":
+    def from_config(cls, config: Config, logits_processors: list[LogitsProcessor] | None = None,
+                    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None) -> "InputBuilder":
         return cls(block_size=config.block_size, vocab_size=config.hf_config.vocab_size,
                    eos_token_ids=config.eos_token_ids, device=torch.device(config.device),
-                   logits_processors=[] if logits_processors is None else logits_processors)
+                   logits_processors=[] if logits_processors is None else logits_processors, input_batch=input_batch)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
         the rows whose logits are needed: the last one of each sequence that samples."""
         if not out.seqs:  # everyone was preempted this step
             return None
-        step = self.batch.flatten(out)  # from the rows kept between steps (engine/persistent_batch.py)
+        step = (self.input_batch or self.flatten)(out)
         meta = self.attention_metadata(step.block_tables, step.slot_mapping, step.q_lens, step.context_lens)
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens, one per fork.
         rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
@@ -81,15 +99,37 @@ class InputBuilder:
         # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
         logprobs = [(seq, None, row) for row, (seq, _) in enumerate(rows) if seq.logprobs is not None]
         prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logits_rows = step.logits_rows.tolist() + step.raw_rows.tolist()  # raw rows: scored, nothing drawn
+        logits_rows = step.logits_rows + step.raw_rows  # raw rows: scored, nothing drawn
         logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows))]
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
             meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
-            sampling=self.prepare_sampling(rows, step), sample_seq_ids=[seq.seq_id for seq, _ in rows],
-            placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, logprobs=logprobs,
-            spec_decode_tokens=out.scheduled_spec_decode_tokens,
-            raw_rows=list(range(len(step.logits_rows), len(logits_rows))))
+            sampling=self.prepare_sampling(rows, step.params), sample_seq_ids=[seq.seq_id for seq, _ in rows],
+            logprobs=logprobs, spec_decode_tokens=out.scheduled_spec_decode_tokens,
+            raw_rows=list(range(len(step.logits_rows), len(logits_rows))),
+            placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids)
+
+    def flatten(self, out: SchedulerOutput) -> StepArrays:
+        """The step's host arrays, one token at a time: its id, position and cache slot."""
+        step, bs = StepArrays(), self.block_size
+        for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
+                                                            out.num_scheduled_tokens, out.do_sample, out.forks):
+            tokens = seq.token_ids + seq.spec_token_ids  # lookahead tokens follow the newest (speculative decoding)
+            for p in range(start, start + num_tokens):
+                if p >= len(tokens):  # async scheduling: the step before is still sampling it (filled in later)
+                    step.placeholder_rows.append(len(step.input_ids))
+                    step.placeholder_seq_ids.append(seq.seq_id)
+                step.input_ids.append(tokens[p] if p < len(tokens) else 0)
+                step.positions.append(p)
+                step.slot_mapping.append(seq.block_table[p // bs] * bs + p % bs)
+            step.block_tables.append(seq.block_table)
+            step.q_lens.append(num_tokens)
+            step.context_lens.append(start + num_tokens)
+            if do_sample:  # the newest token's row, then each lookahead token's; n > 1: the row again per fork
+                newest = len(step.input_ids) - 1 - len(seq.spec_token_ids)
+                rows = [newest + j for j in range(len(seq.spec_token_ids) + 1)] + [newest] * len(forks)
+                (step.raw_rows if seq.raw_logits else step.logits_rows).extend(rows)
+        return step
 
     def attention_metadata(self, block_tables: np.ndarray | list[list[int]], slot_mapping: np.ndarray | list[int],
                            q_lens: np.ndarray | list[int], context_lens: np.ndarray | list[int]) -> AttentionMetadata:
@@ -103,31 +143,33 @@ class InputBuilder:
             cu_seqlens_k=self._tensor(np.append(0, np.cumsum(context_lens)), torch.int32),
             max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()))
 
-    def prepare_sampling(self, rows: list[SamplingRow], step: StepArrays) -> SamplingMetadata:
+    def prepare_sampling(self, rows: list[SamplingRow], params: dict[str, list] | None = None) -> SamplingMetadata:
         """The sampler's inputs, one row per sampling row; an option no row uses is None. Row (seq, j) counts seq's
         first j lookahead tokens as output already (penalties, min_tokens)."""
-        def column(name: str, dtype: torch.dtype) -> torch.Tensor | None:
-            values = step.column(name)
-            return None if values is None else self._tensor(values, dtype)
+        if params is None:
+            params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows] for name in PARAMS}
+        used = {name for name, unused in PARAMS.items() if (np.asarray(params[name]) != unused).any()}
 
+        def column(name: str, dtype: torch.dtype) -> torch.Tensor | None:
+            return self._tensor(params[name], dtype) if name in used else None
+
+        top_ks = column("top_k", torch.int64)
         penalties = None
-        if any(step.column(name) is not None for name in PENALTIES):
+        if used.intersection(PENALTIES):
             penalties = PenaltyMetadata(
                 prompt_token_ids=self._padded([seq.prompt_token_ids for seq, _ in rows], self.vocab_size),
                 output_token_ids=self._padded([seq.completion_token_ids + seq.spec_token_ids[:j]
                                                + [-1] * seq.num_outputs_in_flight for seq, j in rows], self.vocab_size),
-                presence_penalties=self._tensor(step.values("presence_penalty"), torch.float32),
-                frequency_penalties=self._tensor(step.values("frequency_penalty"), torch.float32),
-                repetition_penalties=self._tensor(step.values("repetition_penalty"), torch.float32))
+                presence_penalties=self._tensor(params["presence_penalty"], torch.float32),
+                frequency_penalties=self._tensor(params["frequency_penalty"], torch.float32),
+                repetition_penalties=self._tensor(params["repetition_penalty"], torch.float32))
         processors = [(p, state) for p in self.logits_processors if (state := p.prepare(rows)) is not None]
         return SamplingMetadata(
-            temperatures=column("temperature", torch.float32), top_ks=column("top_k", torch.int64),
-            top_ps=column("top_p", torch.float32), min_ps=column("min_p", torch.float32),
-            generators=[seq.generator for seq, _ in rows],
-            penalties=penalties,
-            min_tokens_mask=None if step.column("min_tokens") is None else self.min_tokens_mask(rows),
-            logits_processors=processors,
-        )
+            temperatures=column("temperature", torch.float32), top_ps=column("top_p", torch.float32),
+            top_ks=None if top_ks is None else top_ks.masked_fill(top_ks == -1, self.vocab_size),  # -1: all
+            min_ps=column("min_p", torch.float32), generators=[seq.generator for seq, _ in rows], penalties=penalties,
+            min_tokens_mask=self.min_tokens_mask(rows) if "min_tokens" in used else None,
+            logits_processors=processors)
 
     def min_tokens_mask(self, rows: list[SamplingRow]) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, token ids) the sampler rules out: EOS and the stop tokens, for a request that has fewer than

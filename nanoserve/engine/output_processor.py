@@ -66,17 +66,13 @@ class RequestState:
 
 
 class IncrementalDetokenizer:
-    """One request's output text, token by token, and its stop strings (vLLM's semantics).
-
-    Byte-level BPE splits a character like an emoji over several tokens, and decoding a token alone can give
-    the wrong text (a broken character, a missing space). So each step decodes a short window: the tokens since
-    `prefix_offset`, minus the text those before `read_offset` already gave; text that ends in a broken
-    character (U+FFFD) waits for the next token. The pieces concatenate to the text of decoding all at once.
-    """
+    """One request's output text, token by token, and its stop strings (vLLM's semantics). Byte-level BPE splits
+    a character like an emoji over several tokens, and a token decoded alone can give the wrong text (a broken
+    character, a missing space); so each step decodes a window, the tokens since `prefix_offset`, minus the text
+    those before `read_offset` gave, and text ending in a broken character (U+FFFD) waits for the next token."""
 
     def __init__(self, tokenizer, params: SamplingParams):
-        self.tokenizer = tokenizer
-        self.params = params
+        self.tokenizer, self.params = tokenizer, params
         self.token_ids: list[int] = []
         self.prefix_offset = self.read_offset = 0
         self.text = ""

@@ -101,7 +101,10 @@ class Seams:
     # 17. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
     kv_cache_tier: KVCacheTier | None = None
-    # 18. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
+    # 18. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
+    #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
+    input_batch: Callable | None = None
+    # 19. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
     #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
     kv_connector: KVConnector | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first

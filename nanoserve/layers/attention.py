@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoserve.utils.math import cdiv
+from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 
 @dataclass
@@ -78,7 +78,7 @@ def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> Torc
         while n < len(decodes) and (n + 1) * context_lens[decodes[n]] <= DECODE_GROUP_TOKENS:
             n += 1
         seqs, decodes = decodes[:n], decodes[n:]
-        num_blocks = cdiv(context_lens[seqs[-1]], block_size)
+        num_blocks = -(-context_lens[seqs[-1]] // block_size)  # (ceiling division)
         block_ids = meta.block_tables[seqs, :num_blocks].flatten().clamp(min=0)  # -1 padding: masked out
         mask = torch.arange(num_blocks * block_size, device=dev) < meta.context_lens[seqs, None]
         rows = torch.tensor([starts[i] for i in seqs], device=dev)  # each sequence's row in the flat batch
@@ -88,7 +88,7 @@ def plan_torch_attention(meta: AttentionMetadata, k_cache: torch.Tensor) -> Torc
             # Causal, aligned bottom-right: the new tokens come after context_len - q_len cached ones.
             mask = None if q_len == context_len else torch.ones(
                 q_len, context_len, dtype=torch.bool, device=dev).tril(context_len - q_len)
-            block_ids = meta.block_tables[i, : cdiv(context_len, block_size)]
+            block_ids = meta.block_tables[i, : -(-context_len // block_size)]
             plan.prefills.append((start, start + q_len, block_ids, context_len, mask))
     max_blocks = max((len(block_ids) for _, block_ids, _ in plan.decode_groups), default=0)
     plan.k_scratch, plan.v_scratch = (k_cache.new_empty(max_blocks, *k_cache.shape[1:]) for _ in range(2))
@@ -122,30 +122,29 @@ def torch_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     return out
 
 
-def flash_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """flash-attn on CUDA: the same contract as torch_paged_attention, in fused kernels."""
-    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache  # CUDA only: import lazily
+# The "cpu" backend, the default on CPU: torch_paged_attention's copy of the blocks costs as much as the attention
+# itself, so csrc/paged_attention_cpu.cpp walks the block table in place instead (the same scores, softmax and
+# weighted values, its own layout within a block). utils/cpu_kernel.py compiles it once, on first use.
+def cpu_store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    load_cpu_kernel("paged_attention_cpu").store_kvcache(k, v, k_cache, v_cache, slot_mapping)
 
-    if meta.max_seqlen_q == 1:  # decode: the kernel CUDA graphs capture
-        return flash_attn_with_kvcache(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens,
-                                       block_table=meta.block_tables, softmax_scale=scale,
-                                       causal=True).squeeze(1)
-    return flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q,
-                                  cu_seqlens_k=meta.cu_seqlens_k, max_seqlen_q=meta.max_seqlen_q,
-                                  max_seqlen_k=meta.max_seqlen_k, softmax_scale=scale, causal=True,
-                                  block_table=meta.block_tables)
+
+def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> torch.Tensor:
+    return load_cpu_kernel("paged_attention_cpu").paged_attention(
+        q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, scale)
 
 
 def attention_backend(name: str) -> tuple[Callable, Callable]:
-    """The (store K/V, attend) pair of a backend, as Config resolved it; each is imported only when chosen."""
+    """The (store K/V, attend) pair of a backend, as Config resolved it (a GPU's is imported only when chosen)."""
     if name == "triton":
         from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache
         return triton_store_kvcache, triton_paged_attention
-    if name == "cpu":  # a C++ kernel that reads the cache in place (its own layout within a block)
-        from nanoserve.layers.cpu_attention import cpu_paged_attention, cpu_store_kvcache
-        return cpu_store_kvcache, cpu_paged_attention
-    return store_kvcache, flash_paged_attention if name == "flash_attn" else torch_paged_attention
+    if name == "flash_attn":
+        from nanoserve.layers.flash_attention import flash_paged_attention
+        return store_kvcache, flash_paged_attention
+    return (cpu_store_kvcache, cpu_paged_attention) if name == "cpu" else (store_kvcache, torch_paged_attention)
 
 
 class Attention(nn.Module):

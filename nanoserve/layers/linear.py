@@ -3,13 +3,12 @@
 A column-parallel layer cuts W's output rows: each rank computes a slice of y, with no communication.
 A row-parallel layer cuts W's input columns: fed the column-parallel slice, each rank computes a partial sum
 of the full y, and one all-reduce adds them up. A column layer followed by a row layer costs one all-reduce.
-With one rank (no process group) both are plain nn.Linear.
+With one rank (no process group) both are plain nn.Linear. The token embedding and the LM head are split by
+vocabulary instead (rank r owns a block of rows).
 
-On CPU the weights are reordered once for oneDNN after loading where the CPU supports it (reorders_for_onednn,
-reorder_weights_for_cpu); `linear` runs either kind.
+On CPU the weights are reordered once for oneDNN after loading where the CPU supports it (layers/onednn.py);
+`linear` runs either kind.
 """
-import logging
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -17,53 +16,12 @@ from torch import nn
 
 from nanoserve.utils.distributed import tp_group, tp_rank_size
 
-logger = logging.getLogger(__name__)
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = x W^T + b, for a plain W or one reordered by reorder_for_cpu."""
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
-
-
-def reorders_for_onednn(dtype: torch.dtype) -> bool:
-    """Whether this CPU multiplies `dtype` on weights reordered for oneDNN (else on plain weights), decided from
-    the ISA PyTorch dispatches to, torch.backends.cpu.get_cpu_capability(), so that ATEN_CPU_CAPABILITY=avx2 (set
-    before Python starts) sends an AVX-512 machine down an AVX2 laptop's path:
-    - AVX512 (PyTorch's name for AVX-512 F, BW, VL and DQ): float32 and bfloat16;
-    - AVX2: float32 only. oneDNN's bfloat16 reorder needs AVX-512 BW/VL/DQ (or AVX-NE-CONVERT, which the
-      capability does not tell), so bfloat16 multiplies plain weights there: correct, about 3x slower than float32;
-    - anything else (no AVX2, ARM) and float16 (oneDNN's needs AVX512-FP16): plain weights.
-    oneDNN's own bfloat16 check comes last, so that its ISA limit (ONEDNN_MAX_CPU_ISA) can only lower this."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability not in ("AVX2", "AVX512") or not torch.backends.mkldnn.is_available():
-        return False
-    if dtype == torch.bfloat16:
-        return capability == "AVX512" and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    return dtype == torch.float32
-
-
-def reorder_for_cpu(weight: torch.Tensor) -> torch.Tensor:
-    """W reordered once into oneDNN's blocked layout, as vLLM's CPU backend and torch.compile's weight freezing
-    do, where reorders_for_onednn says the CPU can; else the plain W. A plain float32 matmul goes to MKL, which
-    packs W into its own panels on every call; the reordered W is read as it lies by oneDNN's kernels: 1.5-3x
-    faster multiplies on the CPU of docs/benchmarks.md (1.4-1.8x with AVX2 alone)."""
-    if not reorders_for_onednn(weight.dtype):
-        return weight
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-
-
-def reorder_weights_for_cpu(model: nn.Module) -> None:
-    """Every matmul weight of the model, reordered; the LM head gets a copy of its own, so that a tied
-    embedding keeps the plain rows it looks up."""
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.bfloat16 and not reorders_for_onednn(dtype):
-        logger.warning("bfloat16 on this CPU (PyTorch's capability: %s) multiplies plain weights, about 3x "
-                       "slower than float32: dtype='float32' is faster here", torch.backends.cpu.get_cpu_capability())
-    heads = [model.lm_head] if hasattr(model.lm_head, "weight") else []  # (only the last pipeline stage has it)
-    for module in [*(m for m in model.modules() if isinstance(m, nn.Linear)), *heads]:
-        module.weight = nn.Parameter(reorder_for_cpu(module.weight), requires_grad=False)
 
 
 class MergedColumnParallelLinear(nn.Linear):
@@ -121,3 +79,44 @@ class RowParallelLinear(nn.Linear):
         if self.tp_size > 1:
             dist.all_reduce(y, group=tp_group())
         return y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Each rank looks up the ids it owns (zeros for the others'); an all-reduce sums them into the embeddings.
+
+    A vocabulary that does not split evenly (32,001 tokens on 2 ranks) is padded, as vLLM does: every rank
+    gets ceil(V / N) rows, and the last rank's rows past V are zeros that no token id reaches."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        self.tp_rank, self.tp_size = tp_rank_size()
+        super().__init__(-(-vocab_size // self.tp_size), hidden_size)
+        self.vocab_size, self.vocab_start = vocab_size, self.tp_rank * self.num_embeddings
+        self.num_real_rows = max(0, min(self.num_embeddings, vocab_size - self.vocab_start))  # the rest: padding
+
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:
+        param.data[self.num_real_rows :].zero_()
+        if self.num_real_rows:
+            param.data[: self.num_real_rows].copy_(loaded[self.vocab_start : self.vocab_start + self.num_real_rows])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return super().forward(input_ids)
+        ids = input_ids - self.vocab_start
+        owned = (ids >= 0) & (ids < self.num_embeddings)
+        x = F.embedding(ids * owned, self.weight) * owned.unsqueeze(1)
+        dist.all_reduce(x, group=tp_group())
+        return x
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """logits = h E^T: each rank computes its own tokens' logits; rank 0, which samples, gathers them all (the
+    others get None) and drops the padding's columns, so no padding id is sampled or scored. Split like the
+    embedding, so tied weights stay one tensor (on CPU the head gets a copy reordered for oneDNN: onednn.py)."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = linear(hidden_states, self.weight)
+        if self.tp_size == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp_size)] if self.tp_rank == 0 else None
+        dist.gather(logits, parts, group=tp_group(), group_dst=0)
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size] if parts else None

@@ -1,10 +1,7 @@
-"""Which token comes next: the whole story of one sampling step, from a row of logits to a token id.
-
-The engine builds a SamplingMetadata on the host (engine/input_batch.py); the sampler applies all of it, in
-vLLM's order: tokens ruled out, penalties, then greedy where temperature is 0, else temperature, min_p,
-top-k, top-p and a draw. Each is one tensor op over the whole batch. Features plug in at two seams
-(engine/seams.py): logits processors join `rule_out` (structured outputs' grammar masks), and speculative
-decoding's verification of draft tokens takes the place of `draw`.
+"""Which token comes next, from a row of logits to a token id, in vLLM's order: tokens ruled out, penalties, then
+greedy where temperature is 0, else temperature, min_p, top-k, top-p and a draw, each one tensor op over the batch.
+The engine builds the SamplingMetadata on the host (engine/input_batch.py). At the seams (engine/seams.py) logits
+processors join `rule_out` (a grammar's mask), and speculative decoding's verification takes the place of `draw`.
 """
 from dataclasses import dataclass, field
 from typing import Any, Protocol

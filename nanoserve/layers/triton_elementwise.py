@@ -12,6 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
+from nanoserve.layers.activation import SiluAndMul
+from nanoserve.layers.layernorm import RMSNorm
+from nanoserve.layers.rotary_embedding import RotaryEmbedding
+
 
 @triton.jit
 def rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, sum_ptr, eps, stride_token, stride_head, heads,
@@ -100,3 +104,21 @@ def triton_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_ca
                                            HALF=head_dim // 2, HALF_PAD=triton.next_power_of_2(head_dim // 2),
                                            HEADS_PAD=triton.next_power_of_2(heads))
     return out
+
+
+# The modules' forwards on these kernels (elementwise_backend.use_elementwise_backend binds them).
+def rms_norm_triton(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
+    out, summed = triton_rms_norm(x, residual, self.weight, self.eps)
+    return out if residual is None else (out, summed)
+
+
+def silu_and_mul_triton(self: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
+    return triton_silu_and_mul(x)
+
+
+def rotary_embedding_triton(self: RotaryEmbedding, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+    return (triton_rotary_embedding(positions, q, self.cos_sin_cache),
+            triton_rotary_embedding(positions, k, self.cos_sin_cache))
+
+
+TRITON_FORWARDS = {RMSNorm: rms_norm_triton, SiluAndMul: silu_and_mul_triton, RotaryEmbedding: rotary_embedding_triton}

@@ -2,7 +2,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from nanoserve.layers.linear import reorder_weights_for_cpu
+from nanoserve.layers.onednn import reorder_weights_for_cpu
 from nanoserve.models.qwen3 import ARCHITECTURES, Qwen3ForCausalLM
 from nanoserve.utils.loader import load_weights
 

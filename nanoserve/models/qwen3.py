@@ -11,10 +11,15 @@ from transformers import PretrainedConfig
 
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.attention import Attention, AttentionMetadata
-from nanoserve.layers.embed_head import ParallelLMHead, VocabParallelEmbedding
 from nanoserve.layers.layernorm import RMSNorm
-from nanoserve.layers.linear import MergedColumnParallelLinear, RowParallelLinear, tp_rank_size
+from nanoserve.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
 from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.utils.distributed import tp_rank_size
 
 # part(name, build) -> the model's part `name` ("embed_tokens", "layers.3", "norm", "lm_head"): build() here; a
 # pipeline stage builds only its own (nanoserve/parallel/pipeline.py), a seam of the model's constructor.

@@ -18,4 +18,6 @@ def plug_in(engine: EngineCore) -> None:
     seams.needs_newest_token.append(waits_for_drafts)  # async scheduling: drafts start from the newest token
     seams.after_step.append(lambda out, updated: propose_drafts(scheduler.running, spec))  # the next step's
     if spec.method == "draft_model":  # before the forward: the draft model fills the slots the scheduler reserved
-        seams.propose = DraftModelProposer(InputBuilder.from_config(engine.config)).propose
+        # (It rebuilds the step's inputs with the drafts filled in: from the engine's persistent batch, if it has one.)
+        builder = InputBuilder.from_config(engine.config, input_batch=seams.input_batch)
+        seams.propose = DraftModelProposer(builder).propose

@@ -1,5 +1,5 @@
 """Builds nanoserve's C++ kernels for the CPU (nanoserve/layers/csrc/) on first use: the "cpu" attention backend's
-(layers/cpu_attention.py) and the "cpu" elementwise backend's (layers/elementwise_backend.py).
+(layers/attention.py) and the "cpu" elementwise backend's (layers/elementwise_backend.py).
 
 With the C++ compiler PyTorch extensions use (`torch.utils.cpp_extension`), into nanoserve's cache, for the vector
 instructions PyTorch picked on this CPU (`torch.backends.cpu.get_cpu_capability()`); later calls load it from

@@ -1,48 +1,19 @@
 """vLLM V1's persistent input batch (InputBatch): every scheduled sequence keeps a row of preallocated arrays,
 its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
 (the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
-where a fresh build loops in Python over every token and block of the batch (benchmarks/input_batch_host.py).
+where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
+A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and with async scheduling
+(whose placeholders it writes, as the core's loop does).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
 is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
 shorter one, or a step with copy-on-write copies (the last block replaced in place).
 """
-from dataclasses import dataclass
-
 import numpy as np
 
+from nanoserve.engine.input_batch import PARAMS, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-
-# The sampling parameters kept per row, each with the value that means "unused" (top_k's is the vocabulary size).
-PARAMS = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
-          "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
-
-
-@dataclass
-class StepArrays:
-    """One step's batch as host arrays, in the plan's order (InputBuilder turns them into a ModelInput)."""
-
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    block_tables: np.ndarray  # [num_seqs, most blocks of any]: padded with -1
-    q_lens: np.ndarray  # the tokens each sequence computes
-    context_lens: np.ndarray
-    logits_rows: np.ndarray  # per sampling row: its newest token's row (drafts: each draft's; forks: repeated)
-    raw_rows: np.ndarray  # the same for sequences whose request picks its own tokens (raw_logits): nothing drawn
-    params: np.ndarray  # per sampling row, its sampling parameters (a column per key of PARAMS)
-    used: np.ndarray  # per key of PARAMS: does any sampling row use it (a value other than "unused")
-    placeholder_rows: list[int]  # rows whose token the step before is still sampling (async scheduling)...
-    placeholder_seq_ids: list[int]  # ...for these sequences
-
-    def values(self, name: str) -> np.ndarray:
-        """A sampling parameter (a key of PARAMS), one value per sampling row."""
-        return self.params[:, list(PARAMS).index(name)]
-
-    def column(self, name: str) -> np.ndarray | None:
-        """values(name), or None when no sampling row uses the parameter."""
-        return self.values(name) if self.used[list(PARAMS).index(name)] else None
 
 
 def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
@@ -58,8 +29,8 @@ def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
 class InputBatch:
     """The rows of the sequences the last steps scheduled; a row is reused once its sequence is gone."""
 
-    def __init__(self, block_size: int, vocab_size: int):
-        self.block_size, self.vocab_size = block_size, vocab_size
+    def __init__(self, block_size: int):
+        self.block_size = block_size
         self.row_of: dict[Sequence, int] = {}
         self.step_seqs: list[Sequence] = []  # the sequences of the step being flattened keep their rows
         self.num_tokens: list[int] = []  # how many of its token ids each row holds (token_ids only grow)
@@ -69,11 +40,11 @@ class InputBatch:
         self.block_table = np.full((0, 0), -1, np.int32)
         # Sampling parameters, one column each (PARAMS): float64, so that "no row uses it" sees them as given.
         self.params = np.zeros((0, len(PARAMS)), np.float64)
-        self.unused = np.array([vocab_size if name == "top_k" else v for name, v in PARAMS.items()], np.float64)
         self.free_rows: list[int] = []
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
-        """Bring the rows of out's sequences up to date, then gather the step's inputs from them."""
+        """Bring the rows of out's sequences up to date, then gather the step's inputs from them (the seam
+        Seams.input_batch: what InputBuilder.flatten builds)."""
         self.step_seqs = out.seqs
         rewrite_blocks = bool(out.blocks_to_copy)  # copy-on-write replaced a last block in place
         rows = np.array([self._sync(seq, rewrite_blocks) for seq in out.seqs], np.int64)
@@ -97,13 +68,12 @@ class InputBatch:
         j = np.arange(len(sampler)) - (np.cumsum(counts) - counts)[sampler]
         logits_rows = (cu_q + q_lens - 1 - num_drafts)[sampler] + np.minimum(j, num_drafts[sampler])
         raw = np.array([seq.raw_logits for seq in out.seqs], bool)[sampler]
-        context_lens, params = starts + q_lens, self.params[rows[sampler[~raw]]]
+        params = self.params[rows[sampler[~raw]]]
         return StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
-            context_lens=context_lens,
-            logits_rows=logits_rows[~raw], raw_rows=logits_rows[raw],
-            params=params, used=(params != self.unused).any(axis=0),
+            context_lens=starts + q_lens, logits_rows=logits_rows[~raw].tolist(), raw_rows=logits_rows[raw].tolist(),
+            params={name: params[:, i] for i, name in enumerate(PARAMS)},
             placeholder_rows=placeholders.tolist(),
             placeholder_seq_ids=[out.seqs[i].seq_id for i in owner[placeholders].tolist()])
 
@@ -151,8 +121,5 @@ class InputBatch:
         self.row_of[seq] = row
         self.block_lists[row], self.num_tokens[row], self.num_blocks[row] = [], 0, 0
         self.block_table[row] = -1
-        p = seq.sampling_params
-        self.params[row] = [getattr(p, name) for name in PARAMS]
-        if p.top_k == -1:
-            self.params[row, 1] = self.vocab_size
+        self.params[row] = [getattr(seq.sampling_params, name) for name in PARAMS]
         return row
