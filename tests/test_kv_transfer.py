@@ -225,3 +225,17 @@ def test_a_producer_that_dies_or_hangs_mid_transfer(tiny_models, fault):
     finally:
         fake.kill()
         fake.wait()
+
+
+def test_the_proxy_command(capsys):
+    from nanoserve.serving import cli
+    from nanoserve.serving.proxy import prefill_body
+
+    with pytest.raises(SystemExit) as done:
+        cli.main(["proxy", "--help"])
+    assert done.value.code == 0 and "--prefill URL" in capsys.readouterr().out
+    # The prefill instance computes the prompt and one token, not streamed, whatever the client asked for.
+    body = {"prompt": "Hi", "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}, "n": 2,
+            "max_completion_tokens": 64, "min_tokens": 4, "temperature": 0.5}
+    assert prefill_body(body) == {"prompt": "Hi", "max_tokens": 1, "temperature": 0.5,
+                                  "kv_transfer_params": {"do_remote_decode": True}}
