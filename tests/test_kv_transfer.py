@@ -3,6 +3,7 @@ its KV blocks over a torch.distributed group of two and decodes. The output must
 token, the consumer must compute only each prompt's last token, blocks it holds must not be sent again, and a
 failed or slow transfer must cost only the consumer's recomputing that prompt, with no block leaked."""
 import dataclasses
+import random
 import socket
 import subprocess
 import sys
@@ -239,3 +240,35 @@ def test_the_proxy_command(capsys):
             "max_completion_tokens": 64, "min_tokens": 4, "temperature": 0.5}
     assert prefill_body(body) == {"prompt": "Hi", "max_tokens": 1, "temperature": 0.5,
                                   "kv_transfer_params": {"do_remote_decode": True}}
+
+
+@pytest.mark.parametrize("seed, producer_options, consumer_options", [
+    (0, dict(num_kvcache_blocks=64), dict(num_kvcache_blocks=24)),
+    (1, dict(num_kvcache_blocks=64, enable_chunked_prefill=True, max_num_batched_tokens=24),
+     dict(num_kvcache_blocks=24, async_scheduling=True)),
+    (2, dict(num_kvcache_blocks=16), dict(num_kvcache_blocks=20, enable_chunked_prefill=True,
+                                          max_num_batched_tokens=32)),
+])
+def test_random_rounds_equal_one_engine(tiny_models, seed, producer_options, consumer_options):
+    """Rounds of random prompts, many sharing prefixes, random n and lengths, through a pair whose pools are small
+    (the consumer preempts; the producer's prefix cache evicts): every output equals one engine's with the same
+    seeds, and no block is leaked."""
+    path = tiny_models["qwen3"]
+    producer, consumer = make_pair(path, producer_options, consumer_options)
+    plain = LLM(path, **ROOMY_POOL)
+    rng = random.Random(seed)
+    prefixes = random_prompts(3, seed=seed, low=10, high=40)
+    for _ in range(3):
+        tail = lambda: [rng.randrange(3, 512) for _ in range(rng.randint(1, 20))]  # noqa: E731
+        prompts = [rng.choice(prefixes)[: rng.randint(1, 40)] + tail() for _ in range(rng.randint(2, 5))]
+        params = SamplingParams(n=rng.choice([1, 1, 2]), temperature=rng.choice([0.0, 0.8]), seed=rng.randrange(100),
+                                max_tokens=rng.randint(1, 12))
+        outputs = disaggregated(producer, consumer, prompts, params)
+        expected = plain.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outputs] == [[c.token_ids for c in o.outputs]
+                                                                       for o in expected]
+        # (Fewer: a request preempted on the consumer recomputes, as any other; one whose own cached prefix was
+        # evicted between asking for the rest and getting its blocks computes from there.)
+        assert all(o.num_cached_tokens <= len(p) - 1 for o, p in zip(outputs, prompts))
+        assert_nothing_leaked(producer, consumer)
+    assert connector(consumer).stats.num_failed_transfers == 0 and connector(consumer).stats.num_received_tokens
