@@ -217,6 +217,11 @@ def test_a_producer_that_dies_or_hangs_mid_transfer(tiny_models, fault):
         assert connector(consumer).stats.num_failed_transfers == 3
         if fault == "hang":
             assert time.monotonic() - start >= 2.0  # each waited out its own deadline, all at once
+            # A request aborted while it waits for its blocks leaves nothing behind.
+            consumer.engine.add_request("waits", prompts[0], params)
+            consumer.engine.step()
+            assert "waits" in connector(consumer).pulls and consumer.engine.abort_request("waits")
+            consumer.engine.step()
         else:
             fake.wait(timeout=10)
             assert connector(consumer).pipe.error is not None

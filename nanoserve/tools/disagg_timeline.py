@@ -43,7 +43,7 @@ def timeline(prompt_len: int = 256, chunk: int = 64, max_tokens: int = 16,
     def run(llm: LLM, lane: str, kinds: list[str]) -> None:
         for kind in kinds:
             begin = perf_counter()
-            llm.engine.step_fn()
+            llm.engine.step()
             events.append((lane, kind, begin - start, perf_counter() - start))
             if not llm.engine.has_unfinished_requests():
                 return
