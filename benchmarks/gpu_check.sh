@@ -1,28 +1,89 @@
 #!/usr/bin/env bash
-# The GPU checks, in one run of under 5 minutes on an H100 or H200, with nothing from the internet (the models are
-# random weights from configs in this checkout). Whoever is lent a GPU runs it and records the figures, with the
-# device's name, in docs/benchmarks.md:
+# The GPU checks, in one run of under 5 minutes on an H100 or H200 (16 cores), with nothing from the internet (the
+# models are random weights from configs in this checkout). Whoever is lent a GPU runs it and records the figures
+# of OUT_DIR/summary.md, which start with the device's name, in docs/benchmarks.md:
 #
-#     bash benchmarks/gpu_check.sh [OUT_DIR]       # figures as JSON and logs in OUT_DIR (default: gpu-check/)
+#     bash benchmarks/gpu_check.sh [OUT_DIR]       # figures as JSON, logs and summary.md in OUT_DIR (default: gpu-check/)
 #
-# 1. the CUDA tests: greedy float32 equal to transformers under every option (tests/test_cuda.py), the Triton
-#    kernels natively (attention, elementwise, the fp8 KV cache);
+# Every part has a time limit (`timeout`), cut to what is left of 285 s: one that runs past it is named in the
+# summary, and the rest still run; the parts come in the order of what matters most.
+# 1. the CUDA tests, 4 pytest-xdist workers: greedy float32 equal to transformers under every option
+#    (tests/test_cuda.py; the pool sized from free memory alone, after), the Triton kernels natively (attention,
+#    elementwise, the fp8 KV cache, LoRA's); beside them, on the CPU, the host time per decode step at 256
+#    sequences (benchmarks/host_step.py);
 # 2. nano-vllm's workload (256 requests, 100-1024 tokens in and out, Qwen3-0.6B's shapes): async scheduling with
 #    the KV cache in bfloat16 then fp8, back to back; then synchronous;
-# 3. a kernel-time profile of eager decode steps at 256 sequences.
-set -euo pipefail
+# 3. LoRA: 128 requests of the same shapes with shorter answers, the base model, 4 adapters, 1 merged (async);
+# 4. the paged-attention kernel alone at decode shapes, bfloat16 against fp8, 64 and 128 keys a loop step;
+# 5. multi-turn conversations with the prefix cache's host tier off then on, bounded;
+# 6. a kernel-time profile of eager decode steps at 256 sequences.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1
+start=$SECONDS
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/device.txt"
 python -c "import torch, triton; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'triton', triton.__version__)" \
     | tee -a "$out/device.txt"
-python -m pytest tests/test_cuda.py tests/test_triton_attention.py tests/test_triton_elementwise.py \
-    tests/test_kv_cache_fp8.py -q -x 2>&1 | tee "$out/tests.log"
+: > "$out/status.txt"
+
+budget=285  # seconds for all parts: each is cut to what is left of it, and skipped when under 5 s are left
+part() {  # part NAME SECONDS COMMAND...: run it under a time limit, its output in OUT/NAME.log, its end in status.txt
+    local name=$1 limit=$2
+    shift 2
+    local t0=$SECONDS left=$((budget - SECONDS + start))
+    [ "$left" -lt "$limit" ] && limit=$left
+    if [ "$limit" -lt 5 ]; then
+        echo "$name: SKIPPED (the ${budget} s budget is spent)" | tee -a "$out/status.txt"
+        return
+    fi
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    local verdict=ok
+    [ "$rc" = 124 ] && verdict="TIMED OUT after ${limit} s"
+    [ "$rc" != 0 ] && [ "$rc" != 124 ] && verdict="FAILED (exit $rc)"
+    echo "$name: $verdict, $((SECONDS - t0)) s" | tee -a "$out/status.txt"
+}
+
 workload=(--nano-vllm --model benchmarks/qwen3-0.6b --random-weights --peer none)
-python bench.py "${workload[@]}" --async-scheduling --kv-cache-dtype auto,fp8 --json "$out/async.json" \
-    2>&1 | tee "$out/async.log"
-python bench.py "${workload[@]}" --json "$out/sync.json" 2>&1 | tee "$out/sync.log"
-python benchmarks/profile_decode.py --model benchmarks/qwen3-0.6b --random-weights --num-seqs 256 \
-    2>&1 | tee "$out/profile.log"
+part host_step 110 python benchmarks/host_step.py &  # CPU only: beside the tests, not beside a timed GPU run
+part tests 100 python -m pytest -n 4 -q -x tests/test_cuda.py tests/test_triton_attention.py \
+    tests/test_triton_elementwise.py tests/test_kv_cache_fp8.py tests/test_lora_triton.py \
+    "tests/test_lora.py::test_the_triton_kernel_in_the_engine_equals_peft" -k "not pool-from-memory"
+wait
+# Alone: it sizes the pool from the GPU's free memory, which the other workers' engines would be holding.
+part tests_pool_from_memory 30 python -m pytest -q -x tests/test_cuda.py -k pool-from-memory
+part async 60 python bench.py "${workload[@]}" --async-scheduling --kv-cache-dtype auto,fp8 --json "$out/async.json"
+part sync 40 python bench.py "${workload[@]}" --json "$out/sync.json"
+part lora 50 python bench.py "${workload[@]}" --async-scheduling --num-prompts 128 --output-len 64 128 --lora 4 \
+    --json "$out/lora.json"
+part paged_attention 15 python benchmarks/paged_attention.py --block-n 64,128
+part multi_turn 30 python bench.py --multi-turn --model benchmarks/qwen3-0.6b --random-weights --peer none \
+    --num-prompts 8 --turns 3 --json "$out/multi_turn.json"
+part profile 30 python benchmarks/profile_decode.py --model benchmarks/qwen3-0.6b --random-weights --num-seqs 256
+
+python - "$out" <<'EOF'
+"""summary.md: the device, then every figure of the run (the JSON reports' results and ratios, the logs' tables)."""
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+lines = ["# " + " / ".join((out / "device.txt").read_text().split("\n")[:2]), "", "```", (out / "status.txt").read_text()]
+for name in ("async", "sync", "lora", "multi_turn"):
+    path = out / f"{name}.json"
+    if not path.exists():
+        continue
+    report = json.loads(path.read_text())
+    for run, r in report.get("results", {}).items():
+        figures = {k: r[k] for k in ("tokens_per_s", "wall_s", "forward_s", "overhead_share", "ttft_p50_s") if k in r}
+        lines.append(f"{name} | {run} | " + ", ".join(f"{k} {v:.1f}" if v >= 100 else f"{k} {v:.3f}"
+                                                      for k, v in figures.items()))
+    lines += [f"{name} | {k} | {v:.3f}" for k, v in report.get("ratios", {}).items()]
+for name in ("paged_attention", "host_step"):
+    path = out / f"{name}.log"
+    if path.exists():
+        lines += ["", f"{name}:", *path.read_text().strip().split("\n")[-12:]]
+(out / "summary.md").write_text("\n".join(lines) + "\n```\n")
+EOF
+echo "gpu_check: $((SECONDS - start)) s in all" | tee -a "$out/summary.md"
+cat "$out/summary.md"

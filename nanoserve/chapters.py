@@ -6,6 +6,7 @@ request asks for (structured outputs, beam search) joins with its first request.
 so it runs the core alone (tests/test_reading_guide.py checks that).
 """
 import weakref
+from functools import partial
 
 from nanoserve import async_llm, llm
 from nanoserve.beam_search_params import BeamSearchParams
@@ -67,7 +68,23 @@ def build_engine(config: Config) -> EngineCore:
     weak = weakref.proxy(engine)
     seams.request_checks["structured_outputs"] = lambda spec: None  # (SamplingParams checked it; compiled at add)
     seams.request_options["structured_outputs"] = lambda request: structured_output_manager(weak).add_request(request)
+    for name in ("logprobs", "prompt_logprobs"):  # logprobs.py: plugged in with the first request that asks
+        seams.request_checks[name] = partial(check_num_logprobs, name, config.hf_config.vocab_size)
+        seams.request_options[name] = lambda request: logprobs_feature(weak)
     return engine
+
+
+def check_num_logprobs(name: str, vocab_size: int, k: int) -> None:
+    if k > vocab_size:
+        raise ValueError(f"{name}: got {k}, the vocabulary has {vocab_size} tokens")
+
+
+def logprobs_feature(engine: EngineCore) -> None:
+    """The logprobs chapter (logprobs.py), plugged into the engine's seams with the first request that asks."""
+    if "logprobs" not in engine.seams.features:
+        from nanoserve.logprobs import plug_in
+
+        plug_in(engine)
 
 
 def scheduler_class(config: Config) -> type | None:

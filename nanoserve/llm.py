@@ -21,8 +21,7 @@ Params = SamplingParams | list[SamplingParams] | None
 def make_config(model: str | None, options: dict) -> Config:
     """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
     names = {f.name for f in fields(Config) if f.init}
-    unknown = set(options) - names
-    if unknown:
+    if unknown := set(options) - names:
         raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
     return Config(resolve_model(model), **options)
 

@@ -33,4 +33,3 @@ def validate_lora_options(config) -> None:
         config.max_cpu_loras = config.max_loras
     if config.max_cpu_loras < config.max_loras:
         raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")
-    config.enforce_eager = True  # a CUDA graph would replay its first step's adapter rows

@@ -7,8 +7,8 @@ from nanoserve.structured_outputs import StructuredOutputsParams
 
 # Request options a feature serves (engine/seams.py request_checks), and how to plug it in: a plain engine refuses
 # a request that sets one.
-FEATURE_OPTIONS = {"structured_outputs": "nanoserve.LLM plugs it in", "lora_request": "pass enable_lora=True",
-                   "priority": "it needs scheduling_policy='priority'",
+FEATURE_OPTIONS = {"priority": "it needs scheduling_policy='priority'", "lora_request": "pass enable_lora=True",
+                   **dict.fromkeys(("structured_outputs", "logprobs", "prompt_logprobs"), "nanoserve.LLM plugs it in"),
                    "kv_transfer_params": "it needs a kv_transfer_config (docs/disaggregated.md)"}
 
 
@@ -47,20 +47,15 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         for name, (kind, interval) in LIMITS.items():
-            value = getattr(self, name)
-            if value is not None or name not in OPTIONAL:
-                setattr(self, name, checked_number(name, value, kind, interval))
+            if getattr(self, name) is not None or name not in OPTIONAL:
+                setattr(self, name, checked_number(name, getattr(self, name), kind, interval))
         if self.top_k == 0:
             raise ValueError("top_k must be -1 (disabled) or an integer >= 1, got 0")
         if self.min_tokens > self.max_tokens:
             raise ValueError(f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
-        for name in ("ignore_eos", "include_stop_str_in_output"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
-        if not isinstance(self.stop_token_ids, (list, tuple)):
-            raise ValueError(f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}")
+        for name, (kind, what) in TYPES.items():
+            if not isinstance(getattr(self, name), kind):
+                raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
         self.stop_token_ids = [checked_number("stop_token_ids", t, int, "[0, inf)") for t in self.stop_token_ids]
         self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
@@ -68,47 +63,41 @@ class SamplingParams:
         self.stop = list(self.stop)
         if "" in self.stop:
             raise ValueError("stop: an empty string would stop at once")
-        if self.structured_outputs is not None:
-            if not isinstance(self.structured_outputs, StructuredOutputsParams):
-                raise ValueError("structured_outputs must be a StructuredOutputsParams, "
-                                 f"got {self.structured_outputs!r}")
-            if self.min_tokens:  # a complete output allows only EOS, which min_tokens rules out: nothing is left
-                raise ValueError("min_tokens: must be 0 with structured_outputs (the grammar decides where it ends)")
+        if self.structured_outputs is not None and self.min_tokens:  # a complete output allows EOS alone: ruled out
+            raise ValueError("min_tokens: must be 0 with structured_outputs (the grammar decides where it ends)")
 
 
 # Every number a request may hold, in interval notation ("inf" is never reached, so floats must be finite): a value
 # outside it, NaN, infinity, a bool, a string or a float where an integer belongs is a ValueError naming the field.
 LIMITS: dict[str, tuple[type, str]] = {
-    "n": (int, "[1, inf)"),
-    "temperature": (float, "[0, inf)"),
-    "top_p": (float, "(0, 1]"),
+    "n": (int, "[1, inf)"), "temperature": (float, "[0, inf)"), "top_p": (float, "(0, 1]"),
     "top_k": (int, "[-1, inf)"),  # and not 0 (checked after the table)
-    "min_p": (float, "[0, 1]"),
-    "presence_penalty": (float, "[-2, 2]"),
-    "frequency_penalty": (float, "[-2, 2]"),
-    "repetition_penalty": (float, "(0, inf)"),
-    "max_tokens": (int, "[1, inf)"),
+    "min_p": (float, "[0, 1]"), "presence_penalty": (float, "[-2, 2]"), "frequency_penalty": (float, "[-2, 2]"),
+    "repetition_penalty": (float, "(0, inf)"), "max_tokens": (int, "[1, inf)"),
     "min_tokens": (int, "[0, inf)"),  # and <= max_tokens (checked after the table)
     "seed": (int, f"[{-2 ** 63}, {2 ** 63})"),  # what torch.Generator.manual_seed takes, with room for seed + i
-    "logprobs": (int, "[0, inf)"),
-    "prompt_logprobs": (int, "[0, inf)"),
+    "logprobs": (int, "[0, inf)"), "prompt_logprobs": (int, "[0, inf)"),
 }
 OPTIONAL = {"seed", "logprobs", "prompt_logprobs"}  # None: not asked for
+TYPES = {"ignore_eos": (bool, "True or False"), "include_stop_str_in_output": (bool, "True or False"),
+         "output_kind": (RequestOutputKind, "a RequestOutputKind"),
+         "stop_token_ids": ((list, tuple), "a list of token ids"),
+         "structured_outputs": ((StructuredOutputsParams, type(None)), "a StructuredOutputsParams")}
 
 
 def checked_number(name: str, value, kind: type, interval: str) -> int | float:
     """`value` as a plain int or float if it is a number of `kind` within `interval`, else a ValueError."""
-    what = "an integer" if kind is int else "a finite number"
     low_text, high_text = interval[1:-1].split(", ")
-    low, high = (float(t) if "inf" in t else int(t) for t in (low_text, high_text))
+    low, high = float(low_text), float(high_text)  # (exact for the bounds above; ints compare with floats exactly)
     bound = (f">= {low_text}" if interval[0] == "[" else f"> {low_text}") if high == math.inf else f"in {interval}"
+    error = f"{name} must be {'an integer' if kind is int else 'a finite number'} {bound}, got {value!r}"
     if isinstance(value, bool) or not isinstance(value, numbers.Integral if kind is int else numbers.Real):
-        raise ValueError(f"{name} must be {what} {bound}, got {value!r} ({type(value).__name__})")
+        raise ValueError(f"{error} ({type(value).__name__})")
     above_low = low < value if interval[0] == "(" else low <= value
     below_high = value < high if interval[-1] == ")" else value <= high
     if not (above_low and below_high):  # NaN fails both; infinity fails "inf)"
-        raise ValueError(f"{name} must be {what} {bound}, got {value!r}")
+        raise ValueError(error)
     try:
         return kind(value)  # numpy's int64 and float32 become Python's own
     except OverflowError:  # an integer too large for a float
-        raise ValueError(f"{name} must be {what} {bound}, got {value!r}") from None
+        raise ValueError(error) from None

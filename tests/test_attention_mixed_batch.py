@@ -7,8 +7,9 @@ from itertools import accumulate
 import pytest
 import torch
 
-from nanoserve.layers.attention import AttentionMetadata, torch_paged_attention
+from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.layers.flash_attention import flash_paged_attention
+from nanoserve.layers.torch_attention import torch_paged_attention
 
 HAS_FLASH = torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None
 HEADS, KV_HEADS, DIM = 4, 2, 16

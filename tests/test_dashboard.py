@@ -22,7 +22,7 @@ from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.serving.app import build_app
 from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
 from nanoserve.step_records import StepRecord, step_recorder
-from nanoserve.tools.trace import LORA_COLOURS, STATES
+from nanoserve.tools.trace_pictures import LORA_COLOURS, STATES
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
 

@@ -11,6 +11,7 @@ from nanoserve import LLM
 from nanoserve.engine.input_batch import InputBuilder
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
+from nanoserve.logprobs import logprobs_places
 from nanoserve.persistent_batch import InputBatch
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.accounting import accept_run
@@ -74,7 +75,7 @@ def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
     assert inputs.logits_rows.tolist() == [5, 5, 6, 11]  # a and its fork, b, d; c's chunk samples nothing
     assert inputs.sample_seq_ids == [0, 1, 2, 4]
     assert (inputs.placeholder_rows, inputs.placeholder_seq_ids) == ([11], [4])
-    assert inputs.logprobs == []
+    assert inputs.extras == {}
 
     sampling = inputs.sampling
     assert sampling.temperatures.tolist() == [0.5, 0.5, 0.0, 0.0] and sampling.top_ks.tolist() == [5, 5, 100, 100]
@@ -91,12 +92,14 @@ def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
 def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch(kind):
     assert builder(kind).prepare_inputs(SchedulerOutput()) is None
     seq = make(0, [5, 6, 7], [2], temperature=0, logprobs=1, prompt_logprobs=0)
-    inputs = builder(kind).prepare_inputs(plan((seq, 3)))
+    b = builder(kind)
+    b.extra_logits_rows["logprobs"] = logprobs_places  # the logprobs chapter's seam (nanoserve/logprobs.py)
+    inputs = b.prepare_inputs(plan((seq, 3)))
     s = inputs.sampling
     assert (s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.penalties, s.min_tokens_mask) == (None,) * 6
     # logits rows: the sampled row first, then the prompt rows (position p scores token p + 1)
     assert inputs.logits_rows.tolist() == [2, 0, 1]
-    assert inputs.logprobs == [(seq, None, 0), (seq, 1, 1), (seq, 2, 2)]
+    assert inputs.extras["logprobs"] == [(seq, None, 0), (seq, 1, 1), (seq, 2, 2)]
 
 
 def as_lists(inputs) -> dict:

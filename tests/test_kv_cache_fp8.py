@@ -13,7 +13,8 @@ from test_cpu_attention import run_backend
 from conftest import random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.layers.attention import FP8_MAX, attention_backend, to_cache_dtype
+from nanoserve.layers.attention import attention_backend
+from nanoserve.layers.torch_attention import FP8_MAX, to_cache_dtype
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -22,6 +23,7 @@ CPU_KERNEL = pytest.mark.skipif(isinstance(load_cpu_kernel("paged_attention_cpu"
 TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 BACKENDS = ["torch", pytest.param("cpu", marks=CPU_KERNEL), pytest.param("triton", marks=TRITON)]
 BATCH = [(37, 1), (48, 1), (20, 20), (50, 13), (9, 4), (1, 1)]  # decodes, a prompt, a chunk, verify-like rows
+BATCH += [(300, 1), (200, 3)]  # contexts of several steps of the Triton kernel's loop (128 keys a step at fp8)
 # Triton's interpreter (3.9) rounds to fp8 by cutting the mantissa, without carrying into the exponent (1.96 -> 1.0);
 # a GPU rounds to nearest even as PyTorch does. Under the interpreter, the Triton store gets values fp8 holds exactly
 # (and values past 448, which saturate): what is tested is the kernel's own work, not the interpreter's rounding.

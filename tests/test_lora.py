@@ -143,7 +143,9 @@ def test_each_rank_holds_its_share_of_a_slot():
     the ranks outnumber, whole on both; the partial products of a row-parallel layer's ranks sum to the whole's."""
     gen = torch.Generator().manual_seed(0)
     hidden, q, kv, r = 64, 64, 16, 4  # 4 query heads and 1 KV head of 16
-    rows = LoRARows(scaling=torch.full((5, 1), 0.5), weights=torch.full((5, 1), 0.5))  # 5 rows of the one slot
+    rows = LoRARows(5, 1, torch.device("cpu"), torch.float32)
+    rows.slot_scaling[0] = 0.5
+    rows.set(torch.zeros(5, dtype=torch.int64), "torch")  # 5 rows of the one slot
 
     def layer(base: torch.nn.Linear, rank: int, size: int, weights) -> LoRALinear:
         base.weight.data.zero_()
@@ -169,17 +171,23 @@ def test_each_rank_holds_its_share_of_a_slot():
 
 
 def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters):
-    """The Triton path (nanoserve/lora/triton_lora.py, CUDA's), here through Triton's interpreter: each step's rows
-    grouped by slot, every LoRA layer's shrink and expand, with adapters 1-3 and the base model in one batch."""
+    """The Triton path (nanoserve/lora/triton_lora.py, CUDA's), here through Triton's interpreter: prefills with
+    the rows grouped by slot, decode steps with the per-row kernel, adapters 1-3 and the base model in one batch.
+    On a GPU natively, the decode steps replayed from CUDA graphs captured with LoRA on."""
     pytest.importorskip("triton")
-    llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=3, **ROOMY_POOL)
+    llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=3, dtype="float32", **ROOMY_POOL)
     llm.engine.model_runner.model.lora_slots.grouped = True  # (what LoRASlots picks on CUDA)
+    graphs, replays = llm.engine.model_runner.cuda_graphs, []
+    if graphs is not None:  # on a GPU
+        replay = graphs.replay
+        graphs.replay = lambda *args: replays.append(len(args[0])) or replay(*args)
     loras = mixed(adapters["qwen2"])[:4]
     outputs = llm.generate(PROMPTS[:4], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False,
                            lora_request=loras)  # (4 tokens: the interpreter runs each program in Python)
     for prompt, output, lora in zip(PROMPTS, outputs, loras):
         tokens = peft_greedy(tiny_models["qwen2"], None if lora is None else lora.lora_path, tuple(prompt))[0]
         assert output.outputs[0].token_ids == tokens[:4], (lora, prompt)
+    assert bool(replays) == torch.cuda.is_available()
 
 
 def test_logprobs_and_a_single_adapter_for_all_prompts(tiny_models, adapters):

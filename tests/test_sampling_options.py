@@ -63,6 +63,25 @@ def test_logprobs_off_and_0(tiny_models):
         llm.generate([[5, 6]], SamplingParams(logprobs=513), use_tqdm=False)
 
 
+def test_logprobs_are_a_chapter_that_joins_with_the_first_request_that_asks(tiny_models):
+    """nanoserve/logprobs.py runs no line for a plain request and plugs in with the first that asks; the core's
+    LLM, with no feature plugged in, refuses both options before anything is queued."""
+    from test_reading_guide import files_run
+
+    from nanoserve import llm as core_llm
+
+    llm = LLM(tiny_models["llama"], **OPTIONS)
+    plain = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False))
+    assert "nanoserve/logprobs.py" not in plain and "logprobs" not in llm.engine.seams.features
+    asked = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False))
+    assert "nanoserve/logprobs.py" in asked and "logprobs" in llm.engine.seams.features
+    core = core_llm.LLM(tiny_models["llama"], **OPTIONS)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=f"^{name}: this engine has no feature plugged in for it; nanoserve.LLM"):
+            core.generate([[5, 6]], SamplingParams(**{name: 1}), use_tqdm=False)
+    assert not core.engine.has_unfinished_requests()
+
+
 def reference_greedy(hf, prompt, max_tokens, presence=0.0, frequency=0.0, repetition=1.0) -> list[int]:
     """Greedy decoding with the penalties applied from their definitions to transformers' logits."""
     token_ids, output = list(prompt), []

@@ -1,6 +1,6 @@
 """The package's shape (the developer's guide): imports run one way down the layers, with no circles; the core
-never imports a feature (features plug in at engine/seams.py); no file a student reads is over 300 lines. Read
-from the source with ast: function-level imports count too."""
+never imports a feature (features plug in at engine/seams.py); no core file is over 300 lines, no file in
+nanoserve/ over 300 non-blank lines. Read from the source with ast: function-level imports count too."""
 import ast
 import shutil
 from graphlib import CycleError, TopologicalSorter
@@ -14,7 +14,7 @@ RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structure
 # at 5; chapters.py, which plugs them in, above them; then what is built on the whole engine.
 FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4,
           "spec_decode": 5, "beam_search": 5, "structured_output": 5, "step_records": 5, "parallel": 5,
-          "kv_offload": 5, "lora": 5, "scheduling": 5, "persistent_batch": 5, "kv_transfer": 5,
+          "kv_offload": 5, "lora": 5, "scheduling": 5, "persistent_batch": 5, "logprobs": 5, "kv_transfer": 5,
           "chapters": 6, "serving": 7, "tools": 7}
 CORE = {"utils", "layers", "models", "engine", "llm", "async_llm"}
 
@@ -92,6 +92,27 @@ def test_no_core_file_over_300_lines():
     core = [p for p in ROOT.rglob("*.py") if not {"serving", "tools"} & set(p.relative_to(ROOT).parts)]
     long = {str(p.relative_to(ROOT)): n for p in core if (n := len(p.read_text().splitlines())) > 300}
     assert core and not long, long
+
+
+def non_blank_lines(text: str) -> int:
+    return sum(1 for line in text.splitlines() if line.strip())
+
+
+def long_files(root: Path = ROOT, limit: int = 300) -> dict[str, int]:
+    """Every .py file under root with more than `limit` non-blank lines -> how many it has."""
+    return {str(p.relative_to(root)): n for p in root.rglob("*.py") if (n := non_blank_lines(p.read_text())) > limit}
+
+
+def test_no_file_over_300_non_blank_lines():
+    assert not long_files(), long_files()
+
+
+def test_the_line_check_can_fail(tmp_path):
+    """301 non-blank lines are one too many; 300, however many blank (or all-space) lines lie between, are not."""
+    (tmp_path / "tools").mkdir()
+    (tmp_path / "tools" / "long.py").write_text("x = 1\n\n" * 301)
+    (tmp_path / "short.py").write_text("x = 1\n    \n\n" * 300)
+    assert long_files(tmp_path) == {"tools/long.py": 301}
 
 
 def test_the_checks_can_fail(tmp_path):

@@ -5,8 +5,9 @@ from itertools import accumulate
 
 import torch
 
-from nanoserve.layers import attention
-from nanoserve.layers.attention import AttentionMetadata, torch_paged_attention
+from nanoserve.layers import torch_attention
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.torch_attention import torch_paged_attention
 from tests.test_attention_mixed_batch import DIM, HEADS, KV_HEADS, reference
 
 BLOCK_SIZE = 4
@@ -15,7 +16,7 @@ BATCH = [(23, 1), (5, 1), (40, 1), (17, 6), (9, 1), (31, 1), (12, 12), (2, 1), (
 
 
 def test_decode_groups_share_scratch_across_groups_and_layers(monkeypatch):
-    monkeypatch.setattr(attention, "DECODE_GROUP_TOKENS", 48)  # several groups, the largest not first
+    monkeypatch.setattr(torch_attention, "DECODE_GROUP_TOKENS", 48)  # several groups, the largest not first
     torch.manual_seed(0)
     blocks_per_seq = [-(-ctx // BLOCK_SIZE) for ctx, _ in BATCH]
     order = torch.randperm(sum(blocks_per_seq) + 3).tolist()

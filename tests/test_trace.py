@@ -1,6 +1,6 @@
-"""The step trace (LLM(..., trace=True)) and nanoserve/tools/trace.py: the records agree with llm.stats and with
-the live engine after every step, each scenario keeps the invariants and writes its table and pictures, and the
-articles' 3/5/12 example comes out step for step."""
+"""The step trace (LLM(..., trace=True)) and nanoserve/tools/ trace.py, step_table.py and trace_pictures.py: the
+records agree with llm.stats and with the live engine after every step, each scenario keeps the invariants and
+writes its table and pictures, and the articles' 3/5/12 example comes out step for step."""
 import shutil
 import subprocess
 from pathlib import Path
@@ -13,20 +13,9 @@ from test_speculative_decoding import repetitive_prompts
 from nanoserve import LLM, LoRARequest, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.step_records import StepReader
-from nanoserve.tools.trace import (
-    DEFAULT_OUT,
-    LORA_COLOURS,
-    SCENARIOS,
-    adapter_names,
-    default_names,
-    format_trace,
-    main,
-    plot_adapters,
-    plot_kv,
-    plot_timeline,
-    request_states,
-    run_scenario,
-)
+from nanoserve.tools.step_table import adapter_names, default_names, format_trace, request_states
+from nanoserve.tools.trace import DEFAULT_OUT, SCENARIOS, main, run_scenario
+from nanoserve.tools.trace_pictures import LORA_COLOURS, plot_adapters, plot_kv, plot_timeline
 
 
 def check_step(llm: LLM) -> None:

@@ -9,7 +9,8 @@ import torch
 from conftest import hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.layers.attention import AttentionMetadata, store_kvcache, torch_paged_attention
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.torch_attention import store_kvcache, torch_paged_attention
 
 pytest.importorskip("triton")
 from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache  # noqa: E402

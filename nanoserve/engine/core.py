@@ -21,12 +21,13 @@ class EngineCore:
     from a thread. Features plug in through `seams` (engine/seams.py); without any, this is the whole engine."""
 
     def __init__(self, config: Config, seams: Seams | None = None):
-        self.config = config
-        self.seams = Seams() if seams is None else seams
+        self.config, self.seams = config, Seams() if seams is None else seams
         self.executor = (self.seams.executor_class or Executor)(config, self.seams)
         try:  # a failed start ends the executor's workers and process group now (parallel/executor.py)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-            self.input_builder = InputBuilder.from_config(config, self.seams.logits_processors, self.seams.input_batch)
+            self.input_builder = InputBuilder.from_config(config, logits_processors=self.seams.logits_processors,
+                                                          input_batch=self.seams.input_batch,
+                                                          extra_logits_rows=self.seams.extra_logits_rows)
             self.block_manager = BlockManager(self.model_runner.num_kvcache_blocks, config.block_size,
                                               config.enable_prefix_caching, self.seams)
             self.scheduler = (self.seams.scheduler_class or Scheduler)(config, self.block_manager, self.seams)
@@ -45,15 +46,11 @@ class EngineCore:
             raise ValueError("prompt: must contain at least one token")
         vocab_size, max_len, bs = self.config.hf_config.vocab_size, self.config.max_model_len, self.config.block_size
         for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= t < vocab_size]
-            if bad:  # (an id past the logits would crash the step that masks or matches it)
+            if bad := [t for t in ids if not 0 <= t < vocab_size]:  # (one past the logits would crash a step)
                 raise ValueError(f"{name}: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
-        for name in ("logprobs", "prompt_logprobs"):
-            if (getattr(params, name) or 0) > vocab_size:
-                raise ValueError(f"{name}: got {getattr(params, name)}, the vocabulary has {vocab_size} tokens")
-        options = {"priority": priority or None, "lora_request": lora_request,
-                   "structured_outputs": params.structured_outputs, "kv_transfer_params": params.kv_transfer_params}
-        for name, value in options.items():  # what a feature serves: one must be plugged in, and checks it
+        options = {"priority": priority or None, "lora_request": lora_request}
+        for name in FEATURE_OPTIONS:  # what a feature serves: one must be plugged in, and checks it
+            value = options[name] if name in options else getattr(params, name)
             if value is not None and name not in self.seams.request_checks:
                 raise ValueError(f"{name}: this engine has no feature plugged in for it; {FEATURE_OPTIONS[name]}")
             if value is not None:
@@ -113,9 +110,8 @@ class EngineCore:
         return self._update_from_output(out, token_ids)
 
     def _update_from_output(self, out: SchedulerOutput, token_ids: list[int]) -> list[EngineCoreOutput]:
-        """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), let the
-        features' seams act before and after, then detokenize each new token and look for stop strings; drop the
-        requests that are done."""
+        """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens, max_tokens), with the
+        seams before and after; then detokenize them and look for stop strings; drop the requests that are done."""
         outputs = [output for before in self.seams.before_update for output in before(out)]
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
         outputs += [output for after_step in self.seams.after_step for output in after_step(out, updated)]
@@ -142,7 +138,7 @@ class EngineCore:
                     seq.finish_reason, stop_reason = "stop", stop
                     break
             new_text = detokenizer.get_delta(seq.is_finished)
-        # (The model runner wrote the tokens' logprobs when it sampled them; a later step may be ahead.)
+        # (logprobs.py wrote the tokens' logprobs when they were sampled; a later step may be ahead.)
         first = start - seq.num_prompt_tokens
         logprobs = None if seq.logprobs is None else seq.logprobs[first : seq.num_completion_tokens]
         return EngineCoreOutput(
@@ -159,7 +155,7 @@ class EngineCore:
         return [EngineCoreOutput(request_id, [], finished=True, error=error) for request_id in failed]
 
     def fail_all(self, error: BaseException) -> list[EngineCoreOutput]:
-        """A bug outside the forward (AsyncLLM's busy loop): everyone fails rather than waits forever."""
+        """A bug outside the forward (AsyncLLM's busy loop): everyone fails rather than wait forever."""
         return self.fail([seq for request in self.requests.values() for seq in request.seqs], error)
 
     def shutdown(self) -> None:

@@ -1,9 +1,7 @@
 """A step's plan (SchedulerOutput) -> the tensors the model and the sampler take (ModelInput), built on the host
 with plain loops over the batch's tokens, as nano-vllm's prepare_prefill/prepare_decode do. Where host time
-matters (CUDA, async scheduling) the persistent input batch (nanoserve/persistent_batch.py) builds the same
-host arrays from rows kept between steps (the seam Seams.input_batch).
-Nothing here needs a model: tests/test_input_batch.py builds inputs from a hand-made plan.
-"""
+matters (CUDA, async scheduling) the persistent input batch (persistent_batch.py) builds the same host arrays
+from rows kept between steps (the seam Seams.input_batch). tests/test_input_batch.py needs no model."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -20,7 +18,6 @@ from nanoserve.layers.sampler import LogitsProcessor, PenaltyMetadata, SamplingM
 PARAMS = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,
           "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_tokens": 0}
 PENALTIES = ("presence_penalty", "frequency_penalty", "repetition_penalty")
-LogprobsPlace = tuple[Sequence, int | None, int]  # (seq, prompt position or None for the sampled token, logits row)
 # A sampling row: (seq, j), seq's next token after its first j lookahead tokens (a verification has 1 + k rows).
 SamplingRow = tuple[Sequence, int]
 
@@ -38,14 +35,14 @@ class StepArrays:
     logits_rows: list[int] = field(default_factory=list)  # per sampling row, the batch row it samples from
     raw_rows: list[int] = field(default_factory=list)  # the same for requests that pick their own (raw_logits)
     params: dict[str, list] | None = None  # per name of PARAMS, a value per sampling row (None: read them here)
-    placeholder_rows: list[int] = field(default_factory=list)  # async scheduling: tokens the step before is...
-    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...still sampling, of these sequences
+    placeholder_rows: list[int] = field(default_factory=list)  # async scheduling: rows the step before still...
+    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...samples, for these sequences
 
 
 @dataclass
 class ModelInput:
     """One step's batch as tensors. Rows of logits_rows: first one per sequence that samples (a request's
-    n > 1 forks repeat its row), in `sample_seq_ids` order; then the prompt-logprobs rows."""
+    n > 1 forks repeat its row), in `sample_seq_ids` order; then the raw rows; then those features add."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -53,11 +50,11 @@ class ModelInput:
     logits_rows: torch.Tensor  # the rows of the flat batch whose logits are computed
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
-    logprobs: list[LogprobsPlace]  # logits rows to score (ModelRunner.record_logprobs)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
-    raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits), after the sampled ones
-    placeholder_rows: list[int] = field(default_factory=list)  # rows of input_ids the step before still samples...
-    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...for these sequences (async scheduling)
+    raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits)
+    placeholder_rows: list[int] = field(default_factory=list)  # as in StepArrays
+    placeholder_seq_ids: list[int] = field(default_factory=list)
+    extras: dict[str, object] = field(default_factory=dict)  # a feature's state for its logits rows (seam 19)
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -75,19 +72,19 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
-    logits_processors: list[LogitsProcessor] = field(default_factory=list)  # a seam (engine/seams.py)
-    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None  # a seam: None, the plain loops (flatten)
+    # The seams (engine/seams.py); input_batch None: the plain loops (flatten).
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None
+    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
 
     @classmethod
-    def from_config(cls, config: Config, logits_processors: list[LogitsProcessor] | None = None,
-                    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None) -> "InputBuilder":
-        return cls(block_size=config.block_size, vocab_size=config.hf_config.vocab_size,
-                   eos_token_ids=config.eos_token_ids, device=torch.device(config.device),
-                   logits_processors=[] if logits_processors is None else logits_processors, input_batch=input_batch)
+    def from_config(cls, config: Config, **seams) -> "InputBuilder":
+        return cls(config.block_size, config.hf_config.vocab_size, config.eos_token_ids, torch.device(config.device),
+                   **seams)
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
-        """Flatten the tokens each sequence computes this step into one batch, with their cache slots, and
-        the rows whose logits are needed: the last one of each sequence that samples."""
+        """The tokens each sequence computes this step as one batch, with their cache slots, and the rows whose
+        logits are needed: the last one of each sequence that samples."""
         if not out.seqs:  # everyone was preempted this step
             return None
         step = (self.input_batch or self.flatten)(out)
@@ -96,18 +93,17 @@ class InputBuilder:
         rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                 if do_sample and not seq.raw_logits
                 for s, j in [*((seq, j) for j in range(len(seq.spec_token_ids) + 1)), *((f, 0) for f in forks)]]
-        # Logprobs: of the sampled tokens, and of prompt tokens (extra logits rows after the sampled ones).
-        logprobs = [(seq, None, row) for row, (seq, _) in enumerate(rows) if seq.logprobs is not None]
-        prompt_rows, prompt_places = self.prompt_logprobs_rows(out)
-        logits_rows = step.logits_rows + step.raw_rows  # raw rows: scored, nothing drawn
-        logprobs += [(seq, p, row) for row, (seq, p) in enumerate(prompt_places, len(logits_rows))]
+        logits_rows, extras = step.logits_rows + step.raw_rows, {}  # raw rows: scored, nothing drawn
+        raw_rows = list(range(len(step.logits_rows), len(logits_rows)))
+        for name, extra_rows in self.extra_logits_rows.items():  # the seam: e.g. the prompt logprobs' rows
+            more, extras[name] = extra_rows(out, rows, len(logits_rows))
+            logits_rows += more
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
-            meta=meta, logits_rows=self._tensor(logits_rows + prompt_rows, torch.int64),
+            meta=meta, logits_rows=self._tensor(logits_rows, torch.int64),
             sampling=self.prepare_sampling(rows, step.params), sample_seq_ids=[seq.seq_id for seq, _ in rows],
-            logprobs=logprobs, spec_decode_tokens=out.scheduled_spec_decode_tokens,
-            raw_rows=list(range(len(step.logits_rows), len(logits_rows))),
-            placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids)
+            spec_decode_tokens=out.scheduled_spec_decode_tokens, raw_rows=raw_rows,
+            placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, extras=extras)
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays, one token at a time: its id, position and cache slot."""
@@ -144,8 +140,8 @@ class InputBuilder:
             max_seqlen_q=int(q_lens.max()), max_seqlen_k=int(context_lens.max()))
 
     def prepare_sampling(self, rows: list[SamplingRow], params: dict[str, list] | None = None) -> SamplingMetadata:
-        """The sampler's inputs, one row per sampling row; an option no row uses is None. Row (seq, j) counts seq's
-        first j lookahead tokens as output already (penalties, min_tokens)."""
+        """The sampler's inputs, an option no row uses None. Row (seq, j) counts seq's first j lookahead tokens as
+        output already (penalties, min_tokens)."""
         if params is None:
             params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows] for name in PARAMS}
         used = {name for name, unused in PARAMS.items() if (np.asarray(params[name]) != unused).any()}
@@ -183,24 +179,11 @@ class InputBuilder:
                 token_ids += stop_ids
         return (self._tensor(masked, torch.int64), self._tensor(token_ids, torch.int64)) if masked else None
 
-    def prompt_logprobs_rows(self, out: SchedulerOutput) -> tuple[list[int], list[tuple[Sequence, int]]]:
-        """For requests with prompt_logprobs: the batch rows whose logits score a prompt token (the row of
-        position p scores token p + 1), and where each result goes: (sequence, p + 1)."""
-        rows, places, offset = [], [], 0
-        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
-            if seq.prompt_logprobs is not None:
-                end = min(start + num_tokens, seq.num_prompt_tokens - 1)
-                rows += range(offset, offset + end - start)
-                places += [(seq, p + 1) for p in range(start, end)]
-            offset += num_tokens
-        return rows, places
-
     def _tensor(self, data: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
         return to_device(data, dtype, self.device)
 
     def _padded(self, rows: list[list[int]], pad: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-        """Rows of unequal length as one tensor, padded with `pad` (numpy fills rows far faster than
-        torch.tensor converts a list of lists)."""
+        """Rows of unequal length as one tensor, padded with `pad` (numpy: far faster than torch.tensor)."""
         table = np.full((len(rows), max(map(len, rows))), pad, dtype=np.int64)
         for i, row in enumerate(rows):
             table[i, : len(row)] = row

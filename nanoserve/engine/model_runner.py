@@ -5,13 +5,12 @@ import torch.distributed as dist
 
 from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
-from nanoserve.engine.input_batch import LogprobsPlace, ModelInput, to_device
+from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.seams import Seams
 from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
 from nanoserve.layers.elementwise_backend import use_elementwise_backend
-from nanoserve.layers.sampler import Sampler, compute_logprobs
+from nanoserve.layers.sampler import Sampler
 from nanoserve.models import load_model
-from nanoserve.outputs import Logprob
 from nanoserve.utils.memory import keep_freed_memory
 
 
@@ -20,11 +19,9 @@ class ModelRunner:
     of a tensor-parallel engine has one (nanoserve/parallel/executor.py starts them and sends each step to all)."""
 
     def __init__(self, config: Config, rank: int = 0, seams: Seams | None = None, model_class: type | None = None):
-        """The model with this rank's weights, the KV cache (sized from memory), the CUDA graphs. seams: the
-        engine's (its `sample` replaces the draw); model_class: a pipeline stage's part of the model instead."""
-        self.config, self.rank = config, rank
+        """model_class: a pipeline stage's part of the model instead of the whole."""
+        self.config, self.rank, self.block_size = config, rank, config.block_size
         self.device = torch.device(config.device)
-        self.block_size = config.block_size
         if self.device.type == "cpu":
             keep_freed_memory()  # reuse activation memory across steps instead of page-faulting it in
         torch.manual_seed(config.seed)
@@ -36,33 +33,31 @@ class ModelRunner:
         models = [m for m in (self.model, self.draft_model) if m is not None]
         for model in models:  # RMSNorm, SwiGLU and RoPE as config.elementwise_backend says
             use_elementwise_backend(model, config.elementwise_backend)
-        self.sampler = Sampler()
-        self.seams = Seams() if seams is None else seams
+        self.sampler, self.seams = Sampler(), Seams() if seams is None else seams
         self.attn_layers = [m for model in models for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
         self.kv_pools: dict[str, torch.Tensor] = {}  # host pools of KV blocks a chapter adds (swap, the host tier)
-        self.num_kvcache_blocks = self._fewest_on_any_rank(config.num_kvcache_blocks or self._profile_num_blocks())
+        # Sized from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves (engine/cuda_graph.py).
+        num_blocks = config.num_kvcache_blocks or (profile_num_blocks(self) if self.device.type == "cuda" else
+                                                   int(config.cpu_kvcache_space * 2**30) // self._block_bytes())
+        self.num_kvcache_blocks = self._fewest_on_any_rank(num_blocks)
         if self.num_kvcache_blocks < 1:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path plans
-        # each batch on the host and stays eager.
+        # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path stays eager.
         if self.device.type == "cuda" and config.attention_backend != "torch" and not config.enforce_eager:
             self.cuda_graphs = CUDAGraphs(self.model, config, self.scratch_slot)
 
     # ---- KV cache -------------------------------------------------------------------------
     def _block_bytes(self) -> int:
-        a = self.attn_layers[0]
-        itemsize = self.config.kv_cache_torch_dtype.itemsize  # kv_cache_dtype="fp8": 1 byte, twice the blocks
-        per_token = 2 * len(self.attn_layers) * a.num_kv_heads * a.head_dim * itemsize
-        return self.block_size * per_token
+        a = self.attn_layers[0]  # (kv_cache_dtype="fp8": 1 byte an element, twice the blocks)
+        return (2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim
+                * self.config.kv_cache_torch_dtype.itemsize)
 
     def _allocate_kv_cache(self, num_blocks: int) -> None:
-        """One [2, layers, blocks, block_size, kv_heads, head_dim] tensor; each layer gets views of it.
-
-        It has one block more than the scheduler hands out: padding rows of a CUDA graph write there.
-        """
+        """One [2, layers, blocks, block_size, kv_heads, head_dim] tensor; each layer gets views of it. It has one
+        block more than the scheduler hands out: padding rows of a CUDA graph write there."""
         a = self.attn_layers[0]
         self.kv_cache = torch.zeros(2, len(self.attn_layers), num_blocks + 1, self.block_size,
                                     a.num_kv_heads, a.head_dim, dtype=self.config.kv_cache_torch_dtype,
@@ -82,8 +77,8 @@ class ModelRunner:
         return num_blocks
 
     def allocate_host_pool(self, name: str, gib: float) -> int:
-        """A pool of KV blocks in `gib` GiB of host memory, shaped like kv_cache (page-locked on CUDA, as vLLM's),
-        for a chapter, named by its option (swap_space, kv_offloading_size): kv_pools[name]. Returns its blocks."""
+        """kv_pools[name]: KV blocks in `gib` GiB of host memory, page-locked on CUDA, for a chapter named by its
+        option (swap_space, kv_offloading_size). Returns how many."""
         num_blocks = self._fewest_on_any_rank(int(gib * 2**30) // self._block_bytes())
         if num_blocks < 1:
             raise ValueError(f"{name} ({gib} GiB) is too small for one KV block ({self._block_bytes()} bytes)")
@@ -92,24 +87,17 @@ class ModelRunner:
         return num_blocks
 
     def copy_blocks(self, mapping: list[tuple[int, int]], src: str = "device", dst: str = "device") -> None:
-        """Copy KV blocks (source, destination) between pools: "device" (kv_cache) or a host pool's name. Within
-        the device pool it is copy-on-write's copy (vLLM's cache engine); between pools, swap and offloading's."""
+        """Copy KV blocks (source, destination) between pools, "device" (kv_cache) or a host pool's name: within
+        the device pool, copy-on-write's copies; between pools, swap and offloading's."""
         src_ids, dst_ids = zip(*mapping)
         src_pool, dst_pool = (self.kv_cache if name == "device" else self.kv_pools[name] for name in (src, dst))
         dst_pool[:, :, list(dst_ids)] = src_pool[:, :, list(src_ids)].to(dst_pool.device)
-
-    def _profile_num_blocks(self) -> int:
-        """Size the pool from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves."""
-        if self.device.type == "cpu":
-            return int(self.config.cpu_kvcache_space * 2**30) // self._block_bytes()
-        return profile_num_blocks(self)  # (engine/cuda_graph.py)
 
     # ---- one step: forward (every rank), sampling (rank 0) ---------------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                   logits_rows: torch.Tensor, draft: bool = False) -> torch.Tensor | None:
-        """Logits of the rows a next token is sampled from (None on a tensor-parallel worker: only rank 0
-        computes them); draft=True: the draft model's instead (spec_decode/draft_model_proposer.py)."""
+        """Logits of the rows sampled from (None on a tensor-parallel worker); draft=True: the draft model's."""
         model = self.draft_model if draft else self.model
         if not draft and self.cuda_graphs is not None and self.cuda_graphs.fits(meta):
             hidden = self.cuda_graphs.replay(input_ids, positions, meta)
@@ -119,38 +107,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """A token id per sampling row, as a device tensor. The logprobs asked for are recorded on their sequences."""
+        """A token id per sampling row, as a device tensor."""
         verify = self.seams.sample  # the seam: speculative decoding's verification instead of a draw
-        return self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
-
-    def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """The sampler's token for each sampling row (layers/sampler.py tells which)."""
-        num_rows = len(inputs.sample_seq_ids)
-        newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None
-        sampled = self.sampler(logits[:num_rows], inputs.sampling, newest)
-        if inputs.logprobs:
-            self.record_logprobs(logits, sampled.tolist(), inputs.logprobs)
+        sampled = self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
+        for after_sample in self.seams.after_sample:  # the seam: the logprobs asked for (logprobs.py)
+            after_sample(self, logits, sampled, inputs)
         return sampled
 
-    def record_logprobs(self, logits: torch.Tensor, sampled: list[int], places: list[LogprobsPlace]) -> None:
-        """For each (seq, p, row): score a token under logits[row], with the top k. p None: the token sampled
-        from that row, appended to seq.logprobs; else prompt token p, stored in seq.prompt_logprobs[p]."""
-        token_ids = [sampled[row] if p is None else seq.token_ids[p] for seq, p, row in places]
-        ks = [s.sampling_params.logprobs if p is None else s.sampling_params.prompt_logprobs for s, p, _ in places]
-        scores = compute_logprobs(logits[[row for *_, row in places]], self._tensor(token_ids), max(ks))
-        for (seq, p, _), k, token_id, lp, rank, top_ids, top_lps in zip(places, ks, token_ids,
-                                                                       *(t.tolist() for t in scores)):
-            d = {i: Logprob(x, r) for r, (i, x) in enumerate(zip(top_ids[:k], top_lps[:k]), 1)}
-            d[token_id] = Logprob(lp, rank)
-            if p is None:
-                seq.logprobs.append(d)
-            else:
-                seq.prompt_logprobs[p] = d
-
-    def _tensor(self, data: list) -> torch.Tensor:
-        return to_device(data, torch.int64, self.device)
+    def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
+        num_rows = len(inputs.sample_seq_ids)
+        newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties else None
+        return self.sampler(logits[:num_rows], inputs.sampling, newest)
 
     def apply(self, fn: Callable, *args) -> object:
-        """fn(self, *args): a feature's work on this rank's model (`executor.call("apply", fn, ...)` runs it on
-        every rank: LoRA's slots, nanoserve/lora/layers.py)."""
+        """A feature's work on this rank's model (`executor.call("apply", fn, ...)` on every rank: LoRA's)."""
         return fn(self, *args)

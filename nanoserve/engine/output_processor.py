@@ -46,7 +46,7 @@ class RequestState:
         c.cumulative_logprob = out.cumulative_logprob
         if out.new_logprobs is not None:
             c.logprobs = c.logprobs or []
-            c.logprobs += out.new_logprobs
+            c.logprobs += out.new_logprobs  # (in place: linear, not quadratic)
         self.num_finished += out.finished
         if out.finish_reason == "abort":  # an abort ends all of the request's sequences
             for c in self.completions:
@@ -57,8 +57,7 @@ class RequestState:
         if self.kind == RequestOutputKind.DELTA:
             completions = [CompletionOutput(out.index, out.new_text, list(out.new_token_ids), out.finish_reason,
                                             out.stop_reason, out.new_logprobs)]
-        else:
-            # Copies, lists included: later steps go on appending to ours (in place: linear, not quadratic).
+        else:  # copies, lists included: later steps go on appending to ours
             completions = [replace(c, token_ids=list(c.token_ids), logprobs=c.logprobs and list(c.logprobs))
                            for c in self.completions]
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, out.num_cached_tokens,
@@ -72,14 +71,11 @@ class IncrementalDetokenizer:
     those before `read_offset` gave, and text ending in a broken character (U+FFFD) waits for the next token."""
 
     def __init__(self, tokenizer, params: SamplingParams):
-        self.tokenizer, self.params = tokenizer, params
-        self.token_ids: list[int] = []
+        self.tokenizer, self.params, self.token_ids, self.text = tokenizer, params, [], ""
         self.prefix_offset = self.read_offset = 0
-        self.text = ""
         self.num_sent = 0  # characters of text already handed out
         # Without include_stop_str_in_output, the tail that may turn out to begin a stop string is held back.
-        longest = max(map(len, params.stop), default=0)
-        self.hold_back = 0 if params.include_stop_str_in_output else max(longest - 1, 0)
+        self.hold_back = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
 
     def update(self, token_id: int, finished: bool) -> str | None:
         """Take in a new token (the last one if finished); returns the stop string its text completes, if any

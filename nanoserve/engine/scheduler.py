@@ -1,7 +1,5 @@
-"""The scheduler: who runs in each step. nano-vllm's policy is `schedule()` read top to bottom: prefill first,
-then decode, LIFO preemption by recompute; vLLM V1's token budget joins it with enable_chunked_prefill, and a
-request's n sequences run together. `postprocess` takes a step's tokens in. The chapters in nanoserve/scheduling/
-(swap, priority) subclass it: their overrides name what they change."""
+"""The scheduler: who runs each step. nano-vllm's policy (prefill first, then decode, LIFO preemption by recompute)
+with vLLM V1's token budget (enable_chunked_prefill); swap and priority (nanoserve/scheduling/) subclass it."""
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
@@ -15,8 +13,7 @@ class Scheduler:
     def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
         self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.eos_token_ids = set(config.eos_token_ids)
-        self.block_manager = block_manager
+        self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
         self.seams = Seams() if seams is None else seams  # the engine's: admits, sits_out, accept_lookahead
         self.waiting, self.running = self.queue_class(), self.queue_class()
         self.stats = SchedulerStats()
@@ -28,8 +25,7 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Once planned it counts as done (V1): a step planned before this one is back starts
-        where it ends (async scheduling), its sampled token a placeholder until then."""
+        """Plan the next step. Once planned it counts as done (V1): its sampled token is a placeholder till then."""
         self.stats.num_steps += 1
         out = SchedulerOutput()
         self._plan(out)
@@ -43,14 +39,12 @@ class Scheduler:
 
     def _plan(self, out: SchedulerOutput) -> None:
         if not self.enable_chunked_prefill:
-            # Prefill: admit waiting prompts in order, whole, while seats, blocks and budget last; if any was, the
-            # step is theirs alone (nano-vllm).
+            # Prefill: whole waiting prompts in order; if any was admitted, the step is theirs alone (nano-vllm).
             self._schedule_waiting(out, self.max_num_batched_tokens)
             out.is_prefill = bool(out.seqs)
             if out.is_prefill:
                 return
-        # Decode (and with chunked prefill, vLLM V1: running requests first, then waiting ones, one token budget):
-        # each takes min(tokens it has left, budget left); when blocks run out, the newest request gives its KV up.
+        # Decode (with chunked prefill, V1: running requests, then waiting ones, sharing one token budget).
         num_preempted = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if len(out.preempted) == num_preempted:  # a step that had to preempt brings nobody in (V1)
@@ -61,19 +55,16 @@ class Scheduler:
             self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_after_running(self, out: SchedulerOutput, budget: int) -> None:
-        """Who joins the running requests: with chunked prefill, waiting prompts (swap: swapped requests first)."""
+        """Who joins the running ones: with chunked prefill, waiting prompts (swap: swapped requests first)."""
         if self.enable_chunked_prefill:
             self._schedule_waiting(out, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting prompts in order. Without chunked prefill a prompt runs whole, so it must fit the budget
-        (a cached prefix costs none); with it, it gets all its blocks, but only a chunk may run now."""
+        """Admit waiting prompts in order, whole (a cached prefix costs no budget) or, with chunked prefill, a chunk."""
         while budget > 0 and (seq := self._next_waiting(out)) is not None:
-            if seq in out.preempted:  # one this very step preempted waits: its KV may be in flight
-                break
-            if not self.enable_chunked_prefill and self.block_manager.num_new_tokens(seq) > budget:
-                break
-            if not self.block_manager.allocate(seq):
+            if (seq in out.preempted  # one this very step preempted waits: its KV may be in flight
+                    or (not self.enable_chunked_prefill and self.block_manager.num_new_tokens(seq) > budget)
+                    or not self.block_manager.allocate(seq)):
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -88,11 +79,9 @@ class Scheduler:
         return seq if seq is not None and num_seats(seq) <= self.num_free_seats() else None
 
     def num_free_seats(self) -> int:
-        """max_num_seqs less the running sequences and those that will fork from them."""
-        return self.max_num_seqs - sum(map(num_seats, self.running))
+        return self.max_num_seqs - sum(map(num_seats, self.running))  # (seats include the forks to come)
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
-        """Schedule as many of seq's uncomputed tokens as the budget allows; returns how many."""
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
         del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # lookahead tokens past the token budget are dropped
         out.blocks_to_copy += self.block_manager.may_append(seq)  # a new block for its newest token, if needed
@@ -100,9 +89,7 @@ class Scheduler:
         return num_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Schedule the running requests in order; a request's sequences (n > 1) go together. When blocks run
-        out, the tail of running gives up its KV first: the newest request (LIFO), so the oldest ones finish;
-        with nobody left behind it, the request itself. Returns the budget left."""
+        """Running requests in order, n sequences together; out of blocks, the newest is preempted (LIFO)."""
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self.running.pop_group()
@@ -130,7 +117,6 @@ class Scheduler:
             self.waiting.add(s, front=True)
 
     def _take_running(self, seq: Sequence, out: SchedulerOutput) -> list[Sequence]:
-        """seq and its request's other running sequences leave running, preempted; returns them."""
         group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
         for s in group:
             s.spec_token_ids = []  # (lookahead tokens are proposed for running sequences only)
@@ -140,13 +126,9 @@ class Scheduler:
         out.preempted += group
         return group
 
-    # ---- after the forward ----------------------------------------------------------------------------
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take in a step's sampled tokens, in batch order: one per sequence that samples, n for a prompt that forks,
-        1 + k for one that verified k lookahead tokens, none where the request picks its own (raw_logits). Returns
-        each sequence once per token it got; one that finished while the step was in flight drops its tokens."""
-        sampled = iter(token_ids)
-        updated = []
+        """Take a step's tokens in (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
+        sampled, updated = iter(token_ids), []
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
             lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
@@ -173,8 +155,7 @@ class Scheduler:
         return updated
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append one at a time, each checked for EOS, the stop tokens and max_tokens; a finish drops the rest
-        (the caller frees the blocks). Before min_tokens the sampler rules EOS and the stop tokens out."""
+        """Append one at a time, checking EOS, stop tokens and max_tokens; a finish drops the rest."""
         params = seq.sampling_params
         for token_id in token_ids:
             seq.token_ids.append(token_id)
@@ -188,13 +169,10 @@ class Scheduler:
 
     def home(self, seq: Sequence) -> tuple[RequestQueue, BlockManager | None]:
         """Where seq is: its queue, and the pool holding its blocks (none while it waits)."""
-        if seq.status == SequenceStatus.RUNNING:
-            return self.running, self.block_manager
-        return self.waiting, None
+        return (self.running, self.block_manager) if seq.status == SequenceStatus.RUNNING else (self.waiting, None)
 
     def _fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
-        """child, another sequence of parent's request, starts as a copy of it (early vLLM's fork): it shares
-        its KV blocks, wherever they are (none if it was preempted to recompute), and joins its queue."""
+        """child starts as a copy of parent (early vLLM's fork), sharing its KV blocks if it has any."""
         queue, pool = self.home(parent)
         if pool is not None:
             pool.fork(parent, child)
@@ -203,7 +181,7 @@ class Scheduler:
         queue.insert(queue.index(parent) + child.index, child)  # the request's sequences stay side by side
 
     def finish(self, seq: Sequence) -> None:
-        """Take seq out for good, its blocks freed: it finished (maybe while preempted), stopped, aborted or failed."""
+        """Take seq out for good, its blocks freed (finished, stopped, aborted or failed)."""
         if not seq.is_finished:
             queue, pool = self.home(seq)
             if seq in queue:

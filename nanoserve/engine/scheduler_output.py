@@ -8,15 +8,9 @@ from nanoserve.speculative_config import SpecDecodingStats
 
 @dataclass
 class SchedulerOutput:
-    """One step's plan (vLLM's name): who runs, how many tokens each computes, which KV blocks move first.
-
-    seqs[i] computes num_scheduled_tokens[i] of its tokens, from num_computed_tokens[i] on; it samples a next
-    token only if that reaches its end (do_sample[i]). The block copies run before the forward: those that read
-    the device pool (swap-outs, offloads) before those that write it (a block they free may be a destination).
-    A step never swaps both ways (swap-ins wait for a step that preempted nobody), and a sequence that got a copy
-    this step is never preempted in it. The fields after blocks_to_copy are the chapters' (swap, the host tier,
-    speculative decoding, beam search): they stay empty for a plain request.
-    """
+    """One step's plan (vLLM's name): seqs[i] computes num_scheduled_tokens[i] tokens from num_computed_tokens[i],
+    sampling if that reaches its end. Block copies run before the forward, reads of the device pool (swap-outs,
+    offloads) first: a block they free may be a destination. Fields past blocks_to_copy are the chapters'."""
 
     seqs: list[Sequence] = field(default_factory=list)
     num_scheduled_tokens: list[int] = field(default_factory=list)
@@ -27,16 +21,14 @@ class SchedulerOutput:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
-    # The prefix cache's second tier (kv_offloading_size): evicted cached blocks out, hits back in. Out runs first.
-    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    # Those of them that failed, with why (written by the executor): a failed load leaves its block without KV.
-    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    kv_connector_metadata: object = None  # the step's KV loads and saves for another engine (seams.kv_connector)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/: evicted (device, host)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/'s hits back (host, device)
+    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # the executor's, with why
+    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # (a failed load's block has no KV)
+    kv_connector_metadata: object = None  # kv_transfer/: the step's KV loads and saves for another engine
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
-    # What the step's output did, written as it is taken in, for the step's record (nanoserve/step_records.py):
+    # What the step's output did, for its record (nanoserve/step_records.py):
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> how many lookahead tokens passed
     raw_logits: torch.Tensor | None = None  # the logits rows of sequences with raw_logits (beam search), in order
     forked_beams: list[tuple[int, int]] = field(default_factory=list)  # beam search: (new beam, its parent)
@@ -47,16 +39,13 @@ class SchedulerOutput:
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(seq.num_computed_tokens)
         self.do_sample.append(seq.num_computed_tokens + num_tokens == len(seq))
-        # Parallel sampling (n > 1): the first token is sampled n times, and the request's other sequences
-        # fork from this one with theirs.
-        prompt_done = self.do_sample[-1] and seq.num_computed_tokens + num_tokens == seq.num_prompt_tokens
-        self.forks.append(seq.group[1:] if prompt_done else [])
+        # n > 1: the prompt's first token is sampled n times, and the request's other sequences fork from this one.
+        self.forks.append(seq.group[1:] if self.do_sample[-1] and len(seq) == seq.num_prompt_tokens else [])
         if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
             self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def is_decode(self, i: int) -> bool:
-        """Row i computes just its sequence's newest token, one the model generated, and the drafts after it if it
-        verifies any (speculative decoding); else it does prefill work."""
+        """Row i computes only its newest generated token (and any lookahead drafts after it), no prefill work."""
         seq = self.seqs[i]
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, []))
         return self.num_scheduled_tokens[i] == 1 + num_drafts and self.num_computed_tokens[i] >= seq.num_prompt_tokens

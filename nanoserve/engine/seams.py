@@ -104,7 +104,12 @@ class Seams:
     # 18. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
     #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
     input_batch: Callable | None = None
-    # 19. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
+    # 19. More logits rows (InputBuilder.prepare_inputs), by feature: (plan, sampling rows, the first free logits
+    #     row) -> (batch rows whose logits it wants too, its state, kept in ModelInput.extras[name]) (logprobs.py).
+    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
+    # 20. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
+    after_sample: list[Callable] = field(default_factory=list)
+    # 21. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
     #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
     kv_connector: KVConnector | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first

@@ -1,16 +1,11 @@
-"""The elementwise chains between the matmuls (RMSNorm with its residual add, SwiGLU's gate, RoPE), four ways;
-Config.elementwise_backend picks one:
+"""The elementwise chains between the matmuls (RMSNorm with its residual add, SwiGLU's gate, RoPE), four ways, as
+Config.elementwise_backend picks. Eager PyTorch runs each chain as 5 to 10 ops that each read and write all the
+activations: in decode they cost more in dispatch than in arithmetic. What each gains: docs/benchmarks.md.
 
 - "torch": the modules' own forwards (layers/layernorm.py, activation.py, rotary_embedding.py), the code to read.
-  Eager PyTorch runs each chain as 5 to 10 ops, each reading and writing all the activations; in decode each op
-  costs more in dispatch than in arithmetic.
-- "cpu": csrc/elementwise_cpu.cpp, one C++ loop per chain, as vLLM's CPU build has kernels of its own for them.
-  The default on the CPU in float32 (built on first use, like the "cpu" attention backend).
-- "triton": layers/triton_elementwise.py, one Triton kernel per chain; the default on CUDA (CUDA graphs capture
-  them). Qwen3's per-head q_norm and k_norm are RMSNorms too: one kernel reads them in place in the qkv output.
+- "cpu": csrc/elementwise_cpu.cpp, one C++ loop per chain (as vLLM's CPU build has); the default on CPU in float32.
+- "triton": layers/triton_elementwise.py, one kernel per chain (Qwen3's q_norm/k_norm read in place); CUDA's default.
 - "compile": layers/torch_compile.py, torch.compile as vLLM compiles its model.
-
-What each gains: docs/benchmarks.md. The matmuls and attention are not touched here.
 """
 import types
 
@@ -40,8 +35,8 @@ CPU_FORWARDS = {RMSNorm: rms_norm_cpu, SiluAndMul: silu_and_mul_cpu, RotaryEmbed
 
 
 def use_elementwise_backend(model: nn.Module, backend: str) -> None:
-    """Give model's RMSNorm, SiluAndMul and RotaryEmbedding modules the backend's forward ("torch": their own).
-    The "triton" and "compile" modules are imported only when chosen."""
+    """Give model's RMSNorm, SiluAndMul and RotaryEmbedding modules the backend's forward ("torch": their own);
+    "triton" and "compile" are imported only when chosen."""
     if backend == "triton":
         from nanoserve.layers.triton_elementwise import TRITON_FORWARDS as forwards
     elif backend == "compile":

@@ -1,4 +1,4 @@
-"""attention_backend="flash_attn" on CUDA: flash-attn's kernels read the paged cache in place (layers/attention.py
+"""attention_backend="flash_attn" on CUDA: flash-attn's kernels read the paged cache in place (layers/torch_attention.py
 has the PyTorch version of the same contract, torch_paged_attention)."""
 import torch
 

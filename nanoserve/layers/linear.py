@@ -1,13 +1,10 @@
 """Linear layers split across the ranks of tensor parallelism (Megatron-LM's scheme; sizes are this rank's).
 
-A column-parallel layer cuts W's output rows: each rank computes a slice of y, with no communication.
-A row-parallel layer cuts W's input columns: fed the column-parallel slice, each rank computes a partial sum
-of the full y, and one all-reduce adds them up. A column layer followed by a row layer costs one all-reduce.
-With one rank (no process group) both are plain nn.Linear. The token embedding and the LM head are split by
-vocabulary instead (rank r owns a block of rows).
-
-On CPU the weights are reordered once for oneDNN after loading where the CPU supports it (layers/onednn.py);
-`linear` runs either kind.
+A column-parallel layer cuts W's output rows: each rank computes a slice of y, with no communication. A
+row-parallel layer cuts W's input columns: each rank's partial sum of y, from the column slice, and one all-reduce
+adds them up (a column layer then a row layer: one all-reduce). With one rank both are plain nn.Linear. The
+embedding and the LM head are split by vocabulary. On CPU the weights are reordered once for oneDNN after
+loading where the CPU supports it (layers/onednn.py); `linear` runs either kind.
 """
 import torch
 import torch.distributed as dist
@@ -26,10 +23,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 class MergedColumnParallelLinear(nn.Linear):
     """Several projections of one input fused into one matmul (q/k/v, or gate/up), each cut by output rows.
-
-    The checkpoint stores the parts separately; weight_loader copies this rank's rows of part `shard`. A part
-    with fewer slices than ranks (KV heads fewer than ranks) is replicated: rank r takes slice r * n // N of n.
-    """
+    weight_loader copies this rank's rows of the checkpoint's part `shard`. A part with fewer slices than ranks
+    (fewer KV heads than ranks) is replicated: rank r takes slice r * n // N of n."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = False):
         super().__init__(input_size, sum(output_sizes), bias=bias)
@@ -58,13 +53,10 @@ class RowParallelLinear(nn.Linear):
         self.tp_rank, self.tp_size = tp_rank_size()
 
     def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        if param.dim() == 2:  # the weight: this rank's columns (the bias is whole on every rank)
-            param.data.copy_(loaded[:, self.rank_columns()])
-        else:
-            param.data.copy_(loaded[:])
+        # The weight: this rank's columns; the bias is whole on every rank.
+        param.data.copy_(loaded[:, self.rank_columns()] if param.dim() == 2 else loaded[:])
 
     def rank_columns(self) -> slice:
-        """This rank's columns of the full weight."""
         return slice(self.tp_rank * self.in_features, (self.tp_rank + 1) * self.in_features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,7 @@
 """Which token comes next, from a row of logits to a token id, in vLLM's order: tokens ruled out, penalties, then
 greedy where temperature is 0, else temperature, min_p, top-k, top-p and a draw, each one tensor op over the batch.
 The engine builds the SamplingMetadata on the host (engine/input_batch.py). At the seams (engine/seams.py) logits
-processors join `rule_out` (a grammar's mask), and speculative decoding's verification takes the place of `draw`.
-"""
+processors join `rule_out` (a grammar's mask), and speculative decoding's verification takes the place of `draw`."""
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -123,12 +122,3 @@ def draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch
             noise[i] = torch.empty(probs.shape[1]).exponential_(generator=generator).to(probs.device)
     return (probs / noise).argmax(dim=-1)
 
-
-def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, num_logprobs: int) -> tuple[torch.Tensor, ...]:
-    """Of the raw model distribution (before penalties and temperature: vLLM's default): each row's logprob of
-    its token and that token's rank (1 = most likely), and the row's num_logprobs most likely tokens."""
-    logprobs = logits.float().log_softmax(dim=-1)
-    token_logprobs = logprobs.gather(1, token_ids[:, None])
-    ranks = (logprobs > token_logprobs).sum(dim=-1) + 1
-    top_logprobs, top_ids = logprobs.topk(num_logprobs, dim=-1)
-    return token_logprobs.squeeze(1), ranks, top_ids, top_logprobs

@@ -1,6 +1,6 @@
 """Paged attention in Triton: the GPU path that needs no flash-attn, and a lesson in how paged kernels work.
 
-Two kernels, with the same contract as `torch_paged_attention` (attention.py):
+Two kernels, with the same contract as `torch_paged_attention` (torch_attention.py):
 
 1. `store_kvcache_kernel` writes this step's K and V into the paged cache: one program per new token,
    which copies the token's kv_heads x head_dim values to the cache slot that `slot_mapping` names.
@@ -21,7 +21,7 @@ import triton.language as tl
 
 @triton.jit
 def to_cache(x, cache_ptr, FP8: tl.constexpr):
-    """x as the cache stores it: an fp8 cache's values saturate at +-448 (FP8_MAX in attention.py), then round."""
+    """x as the cache stores it: an fp8 cache's values saturate at +-448 (FP8_MAX in torch_attention.py), then round."""
     if FP8:
         x = tl.clamp(x.to(tl.float32), -448.0, 448.0)
     return x.to(cache_ptr.dtype.element_ty)
@@ -120,6 +120,12 @@ def paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
+# Keys per step of the loop, by the cache's bytes per value: fp8's 128 keys load as many bytes as bfloat16's 64.
+# At 64, an fp8 load is half as large, so half as many bytes are in flight (unmeasured on a GPU yet:
+# benchmarks/paged_attention.py --block-n compares).
+BLOCK_N = {1: 128, 2: 64, 4: 64}
+
+
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float
                            ) -> torch.Tensor:
     """q: [num_tokens, heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim].
@@ -142,7 +148,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=64,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=BLOCK_N[k_cache.element_size()],
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

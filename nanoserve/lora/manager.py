@@ -29,7 +29,6 @@ class LoRAManager:
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # lora_int_id -> adapter, least recent first
         self.paths: dict[int, str] = {}  # every id seen -> its folder: an id keys the prefix cache, so it stays one
         self.slots: list[int | None] = [None] * self.max_loras  # the adapter id in each device slot
-        self.slot_scaling = [0.0] * self.max_loras  # and its scaling
         self.slot_order: list[int] = list(range(self.max_loras))  # slots, least recently used first
         self.rows_set = False  # whether the layers hold adapter rows (else they run the base model)
         self.lock = threading.Lock()  # AsyncLLM checks requests in the caller's thread, steps in the engine's
@@ -85,13 +84,13 @@ class LoRAManager:
         step = {s.lora_request.lora_int_id: s.lora_request for s in out.seqs if s.lora_request is not None}
         if not step:
             if self.rows_set:  # (a step of base rows after adapter rows: the layers go back to the base model)
-                self.on_every_rank("set_rows", None, [])
+                self.on_every_rank("set_rows", None)
                 self.rows_set = False
             return
         slot_of = {lora_id: self._slot(lora, step) for lora_id, lora in step.items()}
         seq_slots = [slot_of[s.lora_request.lora_int_id] if s.lora_request is not None else -1 for s in out.seqs]
         row_slots = torch.from_numpy(np.repeat(seq_slots, out.num_scheduled_tokens))  # -1: the base model
-        self.on_every_rank("set_rows", row_slots, self.slot_scaling)
+        self.on_every_rank("set_rows", row_slots, len(row_slots) == len(seq_slots))  # decode: a row per sequence
         self.rows_set = True
 
     def _slot(self, lora: LoRARequest, step: dict[int, LoRARequest]) -> int:
@@ -103,8 +102,8 @@ class LoRAManager:
             with self.lock:
                 adapter = self._host_adapter(lora)
             slot = next(s for s in self.slot_order if self.slots[s] not in step)
-            self.on_every_rank("load", slot, adapter.weights)
-            self.slots[slot], self.slot_scaling[slot] = lora.lora_int_id, adapter.scaling
+            self.on_every_rank("load", slot, adapter.weights, adapter.scaling)
+            self.slots[slot] = lora.lora_int_id
         self.slot_order.remove(slot)
         self.slot_order.append(slot)
         return slot

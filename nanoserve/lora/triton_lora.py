@@ -1,84 +1,101 @@
-"""The batched LoRA matmuls as a Triton kernel (punica's SGMV, as vLLM's shrink and expand kernels), used on CUDA in
-place of LoRALinear's PyTorch path, which multiplies every row by every slot's A and masks out all but its own.
-Here the step's rows are grouped by slot once (group_rows: their indices sorted by slot, with each slot's start
-and count; base-model rows are in no group), and a program multiplies a tile of one slot's rows, gathered by
-index, by that slot's weights alone:
+"""The batched LoRA matmuls as a Triton kernel (punica's SGMV and BGMV, as vLLM's shrink and expand kernels), used
+on CUDA in place of LoRALinear's PyTorch path, which multiplies every row by every slot's A and masks out all but
+its own. A fused layer (qkv_proj: q, k, v) costs two launches, whatever its parts and adapters:
 
-- shrink: h = x A_slot^T, from the layer's input to the slot's rank-r space, for each part (q, k, v of qkv_proj);
-- expand: y += h B_slot^T * scaling, into the part's columns of the base layer's output, in place.
+- shrink: h = x A_slot, from the layer's input to the slot's rank-r space, every part at once (A holds a slot's
+  parts side by side: [in, slots * parts * r]);
+- expand: y += h_part B_slot * scaling, each part's r values into its columns of the base layer's output, in
+  place; one program computes one part's column block (B holds a slot's parts side by side: [slots * r, out]).
 
-One kernel does both (sgmv_kernel). Under TRITON_INTERPRET=1 it runs on CPU tensors (tests/test_lora_triton.py
-checks it against the PyTorch path). Nothing waits for the GPU: the groups are computed on the device.
+Two ways to find a program's rows and slot (lora_kernel's GROUPED):
+- grouped: the rows sorted by slot once per step (LoRARows.set: their indices, each slot's start and count), a
+  program multiplies a tile of BLOCK_M rows of one slot by its weights with tl.dot;
+- decode (one row per sequence, at most DECODE_ROWS rows): a program per row reads the row's own slot and
+  multiplies it alone: no idle tile rows, no group to find.
+
+Base-model rows (slot -1) are in no group and their decode programs return at once, so a CUDA graph captured
+with LoRA on costs a base step almost nothing. Only shapes decide a launch, and the kernel reads the rows and the
+scalings from LoRARows' static buffers: nothing waits for the GPU, and a captured graph replays whatever the step
+copied into them. Under TRITON_INTERPRET=1 it runs on CPU tensors (tests/test_lora_triton.py checks it against
+the PyTorch path).
 """
 import torch
 import triton
 import triton.language as tl
 
-BLOCK_M = 16  # rows per program (tl.dot's minimum on a GPU)
+BLOCK_M = 16  # rows per grouped program (tl.dot's minimum on a GPU)
+# A decode of at most this many rows takes a program per row; a larger one is grouped too: a program per row reads
+# its slot's weights once a row, a tile once per BLOCK_M rows (unmeasured on a GPU yet).
+DECODE_ROWS = 16
 
 
 @triton.jit
-def sgmv_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, starts_ptr, counts_ptr, scaling_ptr, K, N,
+def lora_kernel(x_ptr, w_ptr, out_ptr, cols_ptr, order_ptr, starts_ptr, counts_ptr, slots_ptr, scaling_ptr, K,
                 stride_x, stride_w, stride_slot, stride_out,
-                EXPAND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                NUM_PARTS: tl.constexpr, EXPAND: tl.constexpr, GROUPED: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 PRECISION: tl.constexpr):  # "ieee" keeps float32 matmuls exact; tensor cores round them to tf32
-    # Program (tile, column block, slot): out[rows] = x[rows] @ W_slot for BLOCK_M rows of the slot's group, with
-    # W_slot [K, N] at w_ptr + slot * stride_slot; EXPAND: out[rows] += that * each row's scaling instead.
-    tile, n_block, slot = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    count = tl.load(counts_ptr + slot)
-    if tile * BLOCK_M >= count:  # the grid has room for every row in one slot; most slots hold fewer
-        return
-    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_mask = offs_m < count
-    rows = tl.load(rows_ptr + tl.load(starts_ptr + slot) + offs_m, mask=m_mask, other=0).to(tl.int64)
+    # Program (rows, column block, slot * NUM_PARTS + part; decode: part): out[rows, part's columns] (+)= x[rows,
+    # part's K values] @ W_slot[:, part's columns]. cols_ptr: each part's first output column, and the end.
+    pid_m, n_block, pid_2 = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    part = pid_2 % NUM_PARTS
+    if GROUPED:  # BLOCK_M rows of one slot's group
+        slot = pid_2 // NUM_PARTS
+        count = tl.load(counts_ptr + slot)
+        if pid_m * BLOCK_M >= count:  # the grid has room for every row in one slot; most slots hold fewer
+            return
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_mask = offs_m < count
+        rows = tl.load(order_ptr + tl.load(starts_ptr + slot) + offs_m, mask=m_mask, other=0).to(tl.int64)
+    else:  # one row (BLOCK_M == 1), under its own slot
+        slot = tl.load(slots_ptr + pid_m)
+        if slot < 0:  # a base-model row, or a CUDA graph's padding
+            return
+        rows = pid_m + tl.arange(0, BLOCK_M).to(tl.int64)
+        m_mask = rows >= 0
+    col0 = tl.load(cols_ptr + part)
     cols = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = cols < N
-    w_ptr += slot.to(tl.int64) * stride_slot
+    n_mask = cols < tl.load(cols_ptr + part + 1) - col0
+    x_ptr += part * K  # expand: this part's r values of h (a shrink has one part)
+    w_ptr += slot.to(tl.int64) * stride_slot + col0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < K
         x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=m_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_ptr + ks[:, None] * stride_w + cols[None, :], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-    out_ptrs = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        if GROUPED:
+            acc = tl.dot(x, w, acc, input_precision=PRECISION)
+        else:  # one row: a matrix-vector product, no tensor cores to feed
+            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], 1)
+    out_ptrs = out_ptr + col0 + rows[:, None] * stride_out + cols[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
-    if EXPAND:  # y + (h B^T) * scaling, as the PyTorch path orders it
-        scaling = tl.load(scaling_ptr + rows, mask=m_mask, other=0.0).to(tl.float32)
-        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc * scaling[:, None]
+    if EXPAND:  # y + (h B) * scaling, as the PyTorch path orders it
+        acc = tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32) + acc * tl.load(scaling_ptr + slot)
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def group_rows(row_slots: torch.Tensor, max_loras: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Each row's slot (-1: the base model) -> (the row indices sorted by slot, each slot's first place among
-    them, each slot's count), computed on the device (no wait for it)."""
-    order = torch.argsort(row_slots, stable=True)  # base rows (-1) first
-    counts = (row_slots == torch.arange(max_loras, device=row_slots.device)[:, None]).sum(1)
-    starts = (row_slots < 0).sum() + torch.cumsum(counts, 0) - counts
-    return order, starts, counts
-
-
-def sgmv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, groups: tuple, scaling: torch.Tensor, k: int, n: int,
-         stride_slot: int, expand: bool) -> None:
-    rows, starts, counts = groups
-    block_n, block_k = (max(16, min(64, triton.next_power_of_2(size))) for size in (n, k))
-    grid = (triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(n, block_n), counts.shape[0])
-    sgmv_kernel[grid](x, w, out, rows, starts, counts, scaling, k, n, x.stride(0), w.stride(0), stride_slot,
-                      out.stride(0), EXPAND=expand, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, cols: torch.Tensor, rows, max_n: int,
+           stride_slot: int, expand: bool) -> None:
+    """One shrink or expand over the step's rows (rows: LoRARows, its static buffers); max_n: the widest part."""
+    num_parts, k = cols.shape[0] - 1, (x.shape[1] // (cols.shape[0] - 1) if expand else x.shape[1])
+    block_n, block_k = (max(16, min(64, triton.next_power_of_2(size))) for size in (max_n, k))
+    grouped = rows.path == "grouped" or x.shape[0] > DECODE_ROWS  # (shapes alone decide: graphs capture it)
+    grid = ((triton.cdiv(x.shape[0], BLOCK_M), triton.cdiv(max_n, block_n), rows.counts.shape[0] * num_parts)
+            if grouped else (x.shape[0], triton.cdiv(max_n, block_n), num_parts))
+    lora_kernel[grid](x, w, out, cols, rows.order, rows.starts, rows.counts, rows.slots, rows.slot_scaling, k,
+                      x.stride(0), w.stride(0), stride_slot, out.stride(0), NUM_PARTS=num_parts, EXPAND=expand,
+                      GROUPED=grouped, BLOCK_M=BLOCK_M if grouped else 1, BLOCK_N=block_n, BLOCK_K=block_k,
                       PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
 
 
-def add_lora(x: torch.Tensor, y: torch.Tensor, lora_a: torch.Tensor, lora_b: list[torch.Tensor], groups: tuple,
-             scaling: torch.Tensor, max_loras: int, max_rank: int) -> None:
-    """y += each grouped row's B(A(x)) * scaling, part by part, in place (LoRALinear's slots: lora_a
-    [in, parts * slots * r], lora_b[part] [slots * r, out]). x: [T, in], rows contiguous; y: [T, sum of outs]."""
+def add_lora(x: torch.Tensor, y: torch.Tensor, layer, rows) -> None:
+    """y += each adapter row's B(A(x)) * scaling, every part of the fused layer (a LoRALinear) in one shrink and one
+    expand. x: [T, in], rows contiguous; y: [T, sum of outs], in place."""
     if x.shape[0] == 0:
         return
-    h = torch.empty(x.shape[0], len(lora_b) * max_rank, dtype=x.dtype, device=x.device)  # base rows: left unset
-    offset = 0
-    for part, b in enumerate(lora_b):
-        a = lora_a[:, part * max_loras * max_rank:]  # this part's slots, side by side: slot s at columns s * r
-        sgmv(x, a, h[:, part * max_rank:], groups, scaling, x.shape[1], max_rank, max_rank, expand=False)
-        sgmv(h[:, part * max_rank:], b, y[:, offset:], groups, scaling, max_rank, b.shape[1], max_rank * b.stride(0),
-             expand=True)
-        offset += b.shape[1]
+    r, num_parts = layer.max_rank, len(layer.output_sizes)
+    h = torch.empty(x.shape[0], num_parts * r, dtype=x.dtype, device=x.device)  # base rows: left unset
+    launch(x, layer.lora_a, h, layer.shrink_cols, rows, num_parts * r, num_parts * r, expand=False)
+    launch(h, layer.lora_b, y, layer.part_cols, rows, max(layer.output_sizes), r * layer.lora_b.stride(0),
+           expand=True)

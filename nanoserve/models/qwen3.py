@@ -53,29 +53,25 @@ def rope_theta(config: PretrainedConfig) -> float:
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding, head_dim: int):
         super().__init__()
         tp_size = tp_rank_size()[1]  # tensor parallelism: each rank computes its share of the heads
-        self.num_heads = config.num_attention_heads // tp_size
-        self.num_kv_heads = max(1, config.num_key_value_heads // tp_size)  # fewer KV heads than ranks: replicated
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        num_heads = config.num_attention_heads // tp_size
+        num_kv_heads = max(1, config.num_key_value_heads // tp_size)  # fewer KV heads than ranks: replicated
+        q_size, kv_size, self.head_dim = num_heads * head_dim, num_kv_heads * head_dim, head_dim
         bias = getattr(config, "attention_bias", False)
         self.qkv_proj = MergedColumnParallelLinear(config.hidden_size, [q_size, kv_size, kv_size],
                                                    bias=bias if variant.qkv_bias is None else variant.qkv_bias)
         self.o_proj = RowParallelLinear(q_size, config.hidden_size, bias=bias and variant.qkv_bias is None)
         self.rotary_emb = rotary_emb
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5)
+        self.attn = Attention(num_heads, num_kv_heads, head_dim, head_dim**-0.5)
         self.qk_norm = variant.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm, self.k_norm = (RMSNorm(head_dim, config.rms_norm_eps) for _ in range(2))
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split(self.qkv_proj.output_sizes, dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        # [tokens, heads, head_dim] views of the fused output (a Triton RMSNorm reads q and k in place).
+        q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in self.qkv_proj(x).split(self.qkv_proj.output_sizes, -1))
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary_emb(positions, q, k)
@@ -96,9 +92,9 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding):
+    def __init__(self, config: PretrainedConfig, variant: Variant, rotary_emb: RotaryEmbedding, head_dim: int):
         super().__init__()
-        self.self_attn = DecoderAttention(config, variant, rotary_emb)
+        self.self_attn = DecoderAttention(config, variant, rotary_emb, head_dim)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -120,7 +116,7 @@ class Model(nn.Module):
         self.embed_tokens = part("embed_tokens", lambda: VocabParallelEmbedding(config.vocab_size, config.hidden_size))
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, rope_theta(config))
-        self.layers = nn.ModuleList([part(f"layers.{i}", lambda: DecoderLayer(config, variant, rotary_emb))
+        self.layers = nn.ModuleList([part(f"layers.{i}", lambda: DecoderLayer(config, variant, rotary_emb, head_dim))
                                      for i in range(config.num_hidden_layers)])
         self.norm = part("norm", lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
 
@@ -133,10 +129,8 @@ class Model(nn.Module):
 
 class Qwen3ForCausalLM(nn.Module):
     # Checkpoint names that are fused here: (fused module, index of the part).
-    packed_modules_mapping = {
-        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
-    }
+    packed_modules_mapping = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+                              "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
     def __init__(self, config: PretrainedConfig, variant: Variant = ARCHITECTURES["Qwen3ForCausalLM"],
                  part: Part = build_all):

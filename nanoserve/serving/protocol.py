@@ -4,7 +4,7 @@ Only what nanoserve can honour is declared (plus vLLM's extensions top_k, min_p,
 ignore_eos, priority, stop_token_ids, include_stop_str_in_output, structured_outputs, and use_beam_search with
 best_of, length_penalty, early_stopping: nanoserve/serving/beam.py). A request with any other field is a 400 naming
 it (`extra="forbid"`): a field the server would drop silently is a promise it would break silently.
-The Responses API's models are in serving/responses.py, the utility routes' in serving/tokenization.py.
+The Responses API's models are in serving/responses_protocol.py, the utility routes' in serving/tokenization.py.
 """
 import time
 from typing import Literal

@@ -19,5 +19,6 @@ def plug_in(engine: EngineCore) -> None:
     seams.after_step.append(lambda out, updated: propose_drafts(scheduler.running, spec))  # the next step's
     if spec.method == "draft_model":  # before the forward: the draft model fills the slots the scheduler reserved
         # (It rebuilds the step's inputs with the drafts filled in: from the engine's persistent batch, if it has one.)
-        builder = InputBuilder.from_config(engine.config, input_batch=seams.input_batch)
+        builder = InputBuilder.from_config(engine.config, input_batch=seams.input_batch,
+                                           extra_logits_rows=seams.extra_logits_rows)
         seams.propose = DraftModelProposer(builder).propose

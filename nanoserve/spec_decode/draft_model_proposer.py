@@ -15,8 +15,8 @@ A step with draft_model, after the scheduler reserved 1 + k slots for each specu
 then the target verifies the newest token and the k drafts in one forward, as with n-gram drafts. The drafts
 are the draft's greedy tokens: a one-hot draft distribution, so rejection sampling keeps the target's exactly.
 
-The proposer lives on rank 0, with the scheduler, but each draft forward runs on every rank (`run_draft`, the
-Executor's): with tensor parallelism each rank holds its share of the draft's layers, as of the target's.
+The proposer lives on rank 0, with the scheduler, but each draft forward runs on every rank (`run_draft`, from
+Executor.launch): with tensor parallelism each rank holds its share of the draft's layers, as of the target's.
 """
 from collections.abc import Callable
 
@@ -41,7 +41,8 @@ class DraftModelProposer:
     def propose(self, out: SchedulerOutput, inputs: ModelInput | None, run_draft: RunDraft) -> ModelInput | None:
         """Run the draft over a scheduled step (after its block copies): fill in the drafts of the sequences
         that verify some (their spec_token_ids and the plan's scheduled_spec_decode_tokens), and return the
-        step's inputs rebuilt with them (as they were when nobody speculates). run_draft: Executor.run_draft."""
+        step's inputs rebuilt with them (as they were when nobody speculates). run_draft: the draft's forward
+        on every rank (Executor.launch)."""
         if inputs is None:
             return None
         chunks, speculating = [], []  # speculating: (seq, position of its newest token, k)

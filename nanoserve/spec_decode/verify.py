@@ -4,7 +4,7 @@ picks what to emit. A request without drafts in the same step is a verification 
 import torch
 
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
+from nanoserve.spec_decode.rejection_sampler import RejectionSampler
 
 rejection_sampler = RejectionSampler()
 
@@ -12,8 +12,7 @@ rejection_sampler = RejectionSampler()
 def verify(runner: ModelRunner, logits: torch.Tensor, inputs) -> torch.Tensor:
     """The sample seam (ModelRunner.sample; inputs: the step's ModelInput). Returns the token each sampling row
     emits, PLACEHOLDER_TOKEN_ID past a request's emitted run: 1 + k entries for a request with k drafts, one
-    for any other row, in row order (Scheduler.postprocess reads them so). Records the emitted tokens' logprobs.
-    A step without drafts is a plain draw."""
+    for any other row, in row order (Scheduler.postprocess reads them so). A step without drafts is a plain draw."""
     if not inputs.spec_decode_tokens:
         return runner.draw(logits, inputs)
     num_rows, first_rows, drafts, row = len(inputs.sample_seq_ids), [], [], 0
@@ -27,9 +26,4 @@ def verify(runner: ModelRunner, logits: torch.Tensor, inputs) -> torch.Tensor:
     output = rejection_sampler(drafts, greedy, probs, None if temperatures is None else temperatures[first_rows] == 0,
                                [inputs.sampling.generators[r] for r in first_rows])
     ks = torch.tensor([len(d) for d in drafts], device=output.device)
-    emitted = output[torch.arange(output.shape[1], device=output.device) <= ks[:, None]]
-    if inputs.logprobs:  # prompt tokens, and the rows that emitted a token (not those after a rejection)
-        tokens = emitted.tolist()
-        runner.record_logprobs(logits, tokens, [(seq, p, row) for seq, p, row in inputs.logprobs
-                                                if p is not None or tokens[row] != PLACEHOLDER_TOKEN_ID])
-    return emitted
+    return output[torch.arange(output.shape[1], device=output.device) <= ks[:, None]]

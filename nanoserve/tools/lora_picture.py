@@ -15,7 +15,8 @@ from time import perf_counter
 import torch
 
 from nanoserve import LLM, LoRARequest, SamplingParams
-from nanoserve.tools.trace import plot_adapters, print_trace
+from nanoserve.tools.step_table import print_trace
+from nanoserve.tools.trace_pictures import plot_adapters
 from nanoserve.utils.default_model import resolve_model
 
 STYLE = "Arr, matey! "  # what the adapter learns to put before every answer

@@ -1,0 +1,131 @@
+"""Host time per engine step at N decoding sequences, the forward excluded: what a GPU waits for between forwards
+in a synchronous engine. An `LLM` on a tiny random model (the demo model's tokenizer, so detokenizing is real)
+whose executor returns random token ids at once instead of running the model; each decode step is timed by
+phase, through the engine's public steps:
+
+- schedule: `engine.scheduler.schedule()`, the step's plan;
+- inputs: `engine.input_builder.prepare_inputs(out)`, its tensors (token ids, positions, slot mapping, block
+  tables, sampling metadata);
+- fake forward: `engine.executor.execute_model`, here a random token per sampling row (not the forward);
+- outputs: the rest of `engine.step()`: the tokens appended, stop checks, detokenization, the request outputs.
+
+Each phase in wall time and in the thread's CPU time: on a shared machine the CPU time is the steadier figure.
+
+    python benchmarks/host_step.py                       # 256 sequences, 20 warm-up and 200 timed decode steps
+    python benchmarks/host_step.py --num-seqs 64 --steps 100 --temperature 0.8
+"""
+import argparse
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from time import perf_counter, thread_time
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout, like bench.py
+
+import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's OpenMP
+
+# isort: split
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config  # noqa: E402
+
+from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.utils.default_model import resolve_model  # noqa: E402
+
+PHASES = ("schedule", "inputs", "fake forward", "outputs")
+
+
+def tiny_model(folder: Path) -> None:
+    """Two layers of width 64 with random weights, and the demo model's tokenizer and vocabulary."""
+    demo = Path(resolve_model(None))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(demo / name, folder / name)
+    vocab = len(AutoTokenizer.from_pretrained(folder))
+    config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def timed(times: dict[str, list[tuple[float, float]]], phase: str, fn):
+    """fn, its (wall, CPU) seconds appended to times[phase] on each call. The thread's CPU time leaves out the
+    time other processes of a shared machine held the core: the host work itself (torch runs on one thread)."""
+    def wrapper(*args, **kwargs):
+        start = perf_counter(), thread_time()
+        result = fn(*args, **kwargs)
+        times[phase].append((perf_counter() - start[0], thread_time() - start[1]))
+        return result
+    return wrapper
+
+
+def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: int = 0
+            ) -> dict[str, list[tuple[float, float]]]:
+    """(wall, CPU) seconds per decode step and phase: prompts of 32-512 random tokens (bench.py's default workload) are
+    prefilled first (untimed), then every step decodes num_seqs sequences, one token each."""
+    rng = random.Random(seed)
+    with tempfile.TemporaryDirectory(prefix="nanoserve-host-step-") as tmp:
+        tiny_model(Path(tmp))
+        max_len = 512 + warmup + steps + 16
+        llm = LLM(tmp, device="cpu", max_num_seqs=num_seqs, max_model_len=max_len, attention_backend="torch",
+                  num_kvcache_blocks=num_seqs * (max_len // 16 + 2))
+    engine = llm.engine
+    vocab = engine.config.hf_config.vocab_size
+    params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,
+                            max_tokens=warmup + steps + 8)
+    for i in range(num_seqs):
+        engine.add_request(str(i), [rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))], params)
+
+    def fake_forward(out, inputs) -> torch.Tensor:  # a token per sampling row, no model
+        return torch.randint(3, vocab, (0 if inputs is None else len(inputs.sample_seq_ids),))
+
+    times: dict[str, list[tuple[float, float]]] = {phase: [] for phase in (*PHASES, "step")}
+    plans = []
+    schedule = engine.scheduler.schedule
+    engine.scheduler.schedule = timed(times, "schedule", lambda: plans.append(schedule()) or plans[-1])
+    engine.input_builder.prepare_inputs = timed(times, "inputs", engine.input_builder.prepare_inputs)
+    engine.executor.execute_model = timed(times, "fake forward", fake_forward)
+
+    def decoding(out) -> bool:  # every sequence, one token each
+        return len(out.seqs) == num_seqs and sum(out.num_scheduled_tokens) == num_seqs
+
+    while not (plans and decoding(plans[-1])):  # the prefills, untimed
+        engine.step()
+    for phase in times:
+        times[phase].clear()
+    step = timed(times, "step", engine.step)
+    for _ in range(warmup + steps):
+        step()
+        if not decoding(plans[-1]):
+            raise RuntimeError("a timed step was not a decode of every sequence")
+    times = {phase: t[warmup:] for phase, t in times.items()}
+    times["outputs"] = [tuple(t - sum(times[phase][i][k] for phase in PHASES[:3]) for k, t in enumerate(step))
+                        for i, step in enumerate(times["step"])]
+    return times
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--num-seqs", type=int, default=256)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else with top_p=0.95")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the host work is single-threaded)")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature)
+    print(f"host time per decode step, {args.num_seqs} sequences, {args.steps} steps, forward excluded "
+          f"(temperature {args.temperature}):")
+    print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'CPU median':>11s} {'CPU p90':>9s}")
+    for phase in (*PHASES, "step"):
+        line = f"  {phase:14s}"
+        for kind in range(2):  # wall, then CPU
+            t = sorted(step[kind] for step in times[phase])
+            line += f" {1e3 * statistics.median(t):11.3f} {1e3 * t[int(0.9 * (len(t) - 1))]:9.3f}"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
