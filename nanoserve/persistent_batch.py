@@ -2,8 +2,8 @@
 its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
 (the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
 where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
-A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and with async scheduling
-(whose placeholders it writes, as the core's loop does).
+A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and always with async
+scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the sequence whose token it awaits)).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
 is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
@@ -74,8 +74,8 @@ class InputBatch:
             block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
             context_lens=starts + q_lens, logits_rows=logits_rows[~raw].tolist(), raw_rows=logits_rows[raw].tolist(),
             params={name: params[:, i] for i, name in enumerate(PARAMS)},
-            placeholder_rows=placeholders.tolist(),
-            placeholder_seq_ids=[out.seqs[i].seq_id for i in owner[placeholders].tolist()])
+            extras={"placeholders": [(row, out.seqs[i].seq_id) for row, i in zip(placeholders.tolist(),
+                                                                                  owner[placeholders].tolist())]})
 
     def _sync(self, seq: Sequence, rewrite_blocks: bool) -> int:
         """seq's row, with the tokens and blocks seq gained since its last step written into it."""
