@@ -1,5 +1,6 @@
-"""Paged attention's interface: each step's metadata, the backend's (store K/V, attend) pair, and the layer that calls
-them. The PyTorch backend (torch_attention.py) is the one to read; the C++ "cpu" backend is CPU's default."""
+"""Paged attention's interface: each step's metadata, and the layer that calls the backend's (store K/V, attend)
+pair (selector.py binds it). The PyTorch backend (torch_attention.py) is the one to read; the C++ "cpu" backend is
+CPU's default."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -34,20 +35,6 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float) -> torch.Tensor:
     return load_cpu_kernel("paged_attention_cpu").paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, scale)
-
-
-def attention_backend(name: str) -> tuple[Callable, Callable]:
-    """The (store K/V, attend) pair of a backend, as Config resolved it; all but "cpu" are imported only when chosen."""
-    if name == "cpu":
-        return load_cpu_kernel("paged_attention_cpu").store_kvcache, cpu_paged_attention
-    if name == "triton":
-        from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache
-        return triton_store_kvcache, triton_paged_attention
-    from nanoserve.layers.torch_attention import store_kvcache, torch_paged_attention
-    if name == "flash_attn":
-        from nanoserve.layers.flash_attention import flash_paged_attention
-        return store_kvcache, flash_paged_attention
-    return store_kvcache, torch_paged_attention
 
 
 class Attention(nn.Module):
