@@ -89,15 +89,14 @@ class InputBuilder:
         rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                 if do_sample and not seq.raw_logits
                 for s, j in [*((seq, j) for j in range(len(seq.spec_token_ids) + 1)), *((f, 0) for f in forks)]]
-        logits_rows, extras = step.logits_rows, step.extras
         for name, extra_rows in self.extra_logits_rows.items():  # the seam: the prompt logprobs', the beams' rows
-            more, extras[name] = extra_rows(out, rows, len(logits_rows))
-            logits_rows += more
+            more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
+            step.logits_rows += more
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
-            meta=meta, logits_rows=self._tensor(logits_rows, torch.int64),
+            meta=meta, logits_rows=self._tensor(step.logits_rows, torch.int64),
             sampling=self.prepare_sampling(rows, step.params), sample_seq_ids=[seq.seq_id for seq, _ in rows],
-            spec_decode_tokens=out.scheduled_spec_decode_tokens, extras=extras)
+            spec_decode_tokens=out.scheduled_spec_decode_tokens, extras=step.extras)
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays, one token at a time: its id, position and cache slot."""
