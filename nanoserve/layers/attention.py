@@ -12,11 +12,9 @@ from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 @dataclass
 class AttentionMetadata:
-    """Where each sequence's tokens sit in the flat batch and in the paged KV cache.
-
-    The batch is the concatenation of every sequence's new tokens ("varlen"): sequence i owns
-    rows cu_seqlens_q[i]:cu_seqlens_q[i+1], and attends to context_lens[i] cached tokens in total.
-    """
+    """Where each sequence's tokens sit in the flat batch and in the paged KV cache. The batch is the concatenation
+    of every sequence's new tokens ("varlen"): sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], and attends
+    to context_lens[i] cached tokens in total."""
 
     slot_mapping: torch.Tensor  # [num_tokens]: cache slot (block_id * block_size + offset) of each new token
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks]: physical block ids, padded with -1

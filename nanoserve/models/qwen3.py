@@ -87,10 +87,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        # (The first layer has no residual yet: the input is it. Every other adds it to x, fused with the norm.)
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
