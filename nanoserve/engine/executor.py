@@ -35,11 +35,9 @@ class Executor:
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
 
     def finish(self, out: SchedulerOutput, inputs: ModelInput | None, logits: torch.Tensor | None) -> torch.Tensor:
-        """The sampled ids. The rows of requests that pick their own tokens go back with the plan (out.raw_logits)."""
+        """The sampled ids."""
         if inputs is None:
             return torch.empty(0, dtype=torch.int64)
-        if inputs.raw_rows:
-            out.raw_logits = logits[inputs.raw_rows]
         return self.model_runner.sample(logits, inputs)
 
     def call(self, method: str, *args):

@@ -7,9 +7,9 @@ from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
 from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.seams import Seams
-from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
-from nanoserve.layers.elementwise_backend import use_elementwise_backend
+from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.selector import attention_backend, use_elementwise_backend
 from nanoserve.models import load_model
 from nanoserve.utils.memory import keep_freed_memory
 
