@@ -117,16 +117,3 @@ class LLM:
             pbar.set_postfix(output=f"{num_tokens / (perf_counter() - start):.0f} tok/s")
         pbar.close()
         return [finals[request_id] for request_id in states]
-
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params = None, use_tqdm: bool = True,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        if self.tokenizer is None:
-            raise ValueError("chat: this model folder has no tokenizer, so it has no chat template")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in conversations]
-        # The template already holds any special tokens (BOS): do not let encode add them twice.
-        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
-                   for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
