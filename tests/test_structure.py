@@ -14,7 +14,8 @@ RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structure
 # at 5; chapters.py, which plugs them in, above them; then what is built on the whole engine.
 FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4,
           "spec_decode": 5, "beam_search": 5, "structured_output": 5, "step_records": 5, "parallel": 5,
-          "kv_offload": 5, "lora": 5, "scheduling": 5, "persistent_batch": 5, "logprobs": 5, "kv_transfer": 5,
+          "kv_offload": 5, "host_kv_pool": 5, "lora": 5, "scheduling": 5, "persistent_batch": 5, "logprobs": 5,
+          "kv_transfer": 5,
           "chapters": 6, "serving": 7, "tools": 7}
 CORE = {"utils", "layers", "models", "engine", "llm", "async_llm"}
 

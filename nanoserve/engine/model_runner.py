@@ -36,7 +36,6 @@ class ModelRunner:
         self.sampler, self.seams = Sampler(), Seams() if seams is None else seams
         self.attn_layers = [m for model in models for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
-        self.kv_pools: dict[str, torch.Tensor] = {}  # host pools of KV blocks a chapter adds (swap, the host tier)
         # Sized from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves (engine/cuda_graph.py).
         num_blocks = config.num_kvcache_blocks or (profile_num_blocks(self) if self.device.type == "cuda" else
                                                    int(config.cpu_kvcache_space * 2**30) // self._block_bytes())
@@ -76,22 +75,13 @@ class ModelRunner:
             num_blocks = int(count)
         return num_blocks
 
-    def allocate_host_pool(self, name: str, gib: float) -> int:
-        """kv_pools[name]: KV blocks in `gib` GiB of host memory, page-locked on CUDA, for a chapter named by its
-        option (swap_space, kv_offloading_size). Returns how many."""
-        num_blocks = self._fewest_on_any_rank(int(gib * 2**30) // self._block_bytes())
-        if num_blocks < 1:
-            raise ValueError(f"{name} ({gib} GiB) is too small for one KV block ({self._block_bytes()} bytes)")
-        shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
-        self.kv_pools[name] = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
-        return num_blocks
-
-    def copy_blocks(self, mapping: list[tuple[int, int]], src: str = "device", dst: str = "device") -> None:
-        """Copy KV blocks (source, destination) between pools, "device" (kv_cache) or a host pool's name: within
-        the device pool, copy-on-write's copies; between pools, swap and offloading's."""
+    def copy_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor | None = None,
+                    dst: torch.Tensor | None = None) -> None:
+        """Copy KV blocks (source, destination) within the KV cache (copy-on-write), or from or to a chapter's
+        host pool (src, dst: nanoserve/host_kv_pool.py)."""
         src_ids, dst_ids = zip(*mapping)
-        src_pool, dst_pool = (self.kv_cache if name == "device" else self.kv_pools[name] for name in (src, dst))
-        dst_pool[:, :, list(dst_ids)] = src_pool[:, :, list(src_ids)].to(dst_pool.device)
+        src, dst = (self.kv_cache if pool is None else pool for pool in (src, dst))
+        dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
 
     # ---- one step: forward (every rank), sampling (rank 0) ---------------------------------------
     @torch.inference_mode()
