@@ -1,6 +1,6 @@
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 
 import torch
@@ -11,6 +11,7 @@ from nanoserve.kv_transfer_config import KVTransferConfig
 from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
 from nanoserve.utils.backends import build_cpu_kernels, pick_attention_backend, pick_elementwise_backend
+from nanoserve.utils.default_model import resolve_model
 
 
 def has_tokenizer(path: str) -> bool:
@@ -242,3 +243,11 @@ class Config:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """What the KV cache stores: the model's dtype, or float8 e4m3 with kv_cache_dtype="fp8"."""
         return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
+
+def make_config(model: str | None, options: dict) -> Config:
+    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
+    names = {f.name for f in fields(Config) if f.init}
+    if unknown := set(options) - names:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
+    return Config(resolve_model(model), **options)

@@ -9,13 +9,11 @@ from nanoserve.engine.model_runner import ModelRunner
 def allocate_host_pool(runner: ModelRunner, name: str, gib: float) -> int:
     """runner.kv_pools[name]: KV blocks in `gib` GiB of host memory, shaped like the device cache, page-locked
     on CUDA, for a chapter named by its option (swap_space, kv_offloading_size). Returns how many."""
-    num_blocks = runner._fewest_on_any_rank(int(gib * 2**30) // runner._block_bytes())
+    num_blocks = runner.fewest_on_any_rank(int(gib * 2**30) // runner.block_bytes())
     if num_blocks < 1:
-        raise ValueError(f"{name} ({gib} GiB) is too small for one KV block ({runner._block_bytes()} bytes)")
+        raise ValueError(f"{name} ({gib} GiB) is too small for one KV block ({runner.block_bytes()} bytes)")
     kv_cache = runner.kv_cache
     shape = (*kv_cache.shape[:2], num_blocks, *kv_cache.shape[3:])
-    if not hasattr(runner, "kv_pools"):
-        runner.kv_pools = {}
     runner.kv_pools[name] = torch.zeros(shape, dtype=kv_cache.dtype, pin_memory=runner.device.type == "cuda")
     return num_blocks
 

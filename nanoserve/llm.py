@@ -1,29 +1,19 @@
 from collections.abc import Callable
-from dataclasses import fields
 from itertools import count
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanoserve.config import Config
+from nanoserve.config import Config, make_config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.engine.scheduler_output import SchedulerStats
+from nanoserve.engine.stats import SchedulerStats
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
-from nanoserve.utils.default_model import resolve_model
 
 Prompt = str | list[int] | dict
 Params = SamplingParams | list[SamplingParams] | None
-
-
-def make_config(model: str | None, options: dict) -> Config:
-    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
-    names = {f.name for f in fields(Config) if f.init}
-    if unknown := set(options) - names:
-        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
-    return Config(resolve_model(model), **options)
 
 
 def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:

@@ -114,7 +114,7 @@ def test_needs_prefix_caching(tiny_models):
 
 def test_off_plugs_nothing_in(tiny_models):
     llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=16)
-    assert llm.engine.seams.kv_cache_tier is None and not hasattr(llm.engine.model_runner, "kv_pools")
+    assert llm.engine.seams.kv_cache_tier is None and not llm.engine.model_runner.kv_pools
 
 
 def test_stats_trace_and_metrics_agree(tiny_models):

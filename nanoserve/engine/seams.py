@@ -96,7 +96,7 @@ class Seams:
     # 15. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
     # 16. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
-    #    process's ModelRunner alone (engine/executor.py).
+    #    process's ModelRunner alone (engine/model_runner.py's Executor).
     executor_class: type | None = None
     # 17. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
