@@ -17,7 +17,8 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 # isort: split
 import torch  # noqa: E402
 
-from nanoserve.layers.attention import AttentionMetadata, attention_backend  # noqa: E402
+from nanoserve.layers.attention import AttentionMetadata  # noqa: E402
+from nanoserve.layers.selector import attention_backend  # noqa: E402
 from nanoserve.utils.cpu_kernel import load_cpu_kernel  # noqa: E402
 
 LAYERS, HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 30, 9, 3, 64, 16

@@ -22,7 +22,9 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 # isort: split
 import torch  # noqa: E402
 
-from nanoserve.layers.attention import AttentionMetadata, attention_backend, to_cache_dtype  # noqa: E402
+from nanoserve.layers.attention import AttentionMetadata  # noqa: E402
+from nanoserve.layers.selector import attention_backend  # noqa: E402
+from nanoserve.layers.torch_attention import to_cache_dtype  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 16, 8, 128
 

@@ -6,10 +6,10 @@ from collections.abc import AsyncIterator, Callable
 from functools import partial
 from itertools import count
 
-from nanoserve.config import Config
+from nanoserve.config import Config, make_config
 from nanoserve.engine.core import EngineCore, EngineCoreOutput
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.llm import Prompt, make_config, prompt_text, prompt_token_ids
+from nanoserve.llm import Prompt, prompt_text, prompt_token_ids
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import SamplingParams

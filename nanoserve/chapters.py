@@ -15,6 +15,7 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.seams import Seams
+from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
 from nanoserve.step_records import StepRecord, step_recorder
@@ -57,6 +58,10 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.kv_offload import plug_in as plug_in_host_tier
 
         plug_in_host_tier(engine)
+    if config.kv_transfer_config is not None:  # disaggregated prefill: kv_transfer/
+        from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
+
+        plug_in_kv_transfer(engine)
     if config.enable_lora:  # LoRA adapters: lora/
         from nanoserve.lora import LoRAManager
 
@@ -129,6 +134,21 @@ class LLM(llm.LLM):
         """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else None."""
         recorder = self.engine.seams.features.get("step_records")
         return None if recorder is None else recorder.trace
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: llm.Params = None,
+             use_tqdm: bool = True,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate (an API
+        convenience over generate, so it lives here rather than in the core's LLM)."""
+        if self.tokenizer is None:
+            raise ValueError("chat: this model folder has no tokenizer, so it has no chat template")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
+        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
+                 for c in conversations]
+        # The template already holds any special tokens (BOS): do not let encode add them twice.
+        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
+                   for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: llm.Prompt | list[llm.Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[RequestOutput]:

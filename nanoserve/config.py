@@ -1,15 +1,17 @@
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 
 import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from nanoserve.kv_transfer_config import KVTransferConfig
 from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
 from nanoserve.utils.backends import build_cpu_kernels, pick_attention_backend, pick_elementwise_backend
+from nanoserve.utils.default_model import resolve_model
 
 
 def has_tokenizer(path: str) -> bool:
@@ -106,6 +108,7 @@ class Config:
     max_lora_rank: int = 16  # the largest rank an adapter may have (the slots' size)
     max_cpu_loras: int | None = None  # adapters kept read in host memory, least recently used evicted; None: max_loras
     disable_sliding_window: bool = False  # vLLM's flag: full attention everywhere, max_model_len capped at the window
+    kv_transfer_config: dict | KVTransferConfig | None = None  # disaggregated prefill (docs/disaggregated.md)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -182,6 +185,8 @@ class Config:
             validate_lora_options(self)
         if self.speculative_config is not None:
             self._validate_speculative_config()
+        if self.kv_transfer_config is not None:  # its own keys; the chapter checks what it needs of the engine
+            self.kv_transfer_config = KVTransferConfig.from_dict(self.kv_transfer_config)
         if dist.is_initialized():  # the layers take their rank from it (layers/linear.py): it must be ours
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
@@ -252,3 +257,11 @@ class Config:
     def kv_cache_torch_dtype(self) -> torch.dtype:
         """What the KV cache stores: the model's dtype, or float8 e4m3 with kv_cache_dtype="fp8"."""
         return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
+
+
+def make_config(model: str | None, options: dict) -> Config:
+    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
+    names = {f.name for f in fields(Config) if f.init}
+    if unknown := set(options) - names:
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
+    return Config(resolve_model(model), **options)

@@ -1,29 +1,19 @@
 from collections.abc import Callable
-from dataclasses import fields
 from itertools import count
 from time import perf_counter
 
 from tqdm.auto import tqdm
 
-from nanoserve.config import Config
+from nanoserve.config import Config, make_config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.engine.scheduler_output import SchedulerStats
+from nanoserve.engine.stats import SchedulerStats
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
-from nanoserve.utils.default_model import resolve_model
 
 Prompt = str | list[int] | dict
 Params = SamplingParams | list[SamplingParams] | None
-
-
-def make_config(model: str | None, options: dict) -> Config:
-    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
-    names = {f.name for f in fields(Config) if f.init}
-    if unknown := set(options) - names:
-        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
-    return Config(resolve_model(model), **options)
 
 
 def prompt_token_ids(tokenizer, prompt: Prompt) -> list[int]:
@@ -95,38 +85,22 @@ class LLM:
             request_id = str(next(self.request_ids))
             states[request_id] = RequestState(request_id, prompt_text(prompt), ids, RequestOutputKind.FINAL_ONLY, n)
             add(request_id, i)
+        pbar = tqdm(total=len(states), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        finals, num_tokens, start = {}, 0, perf_counter()
         try:
-            return self._run(states, use_tqdm)
+            while self.engine.has_unfinished_requests():
+                for out in self.engine.step():
+                    if out.error is not None:
+                        raise out.error
+                    num_tokens += len(out.new_token_ids)
+                    final = states[out.request_id].update(out)  # None until the request finishes
+                    if final is not None:
+                        finals[out.request_id] = final
+                        pbar.update(1)
+                pbar.set_postfix(output=f"{num_tokens / (perf_counter() - start):.0f} tok/s")
         except BaseException:
             for request_id in states:  # give back their KV blocks so the engine stays usable
                 self.engine.abort_request(request_id)
             raise
-
-    def _run(self, states: dict[str, RequestState], use_tqdm: bool) -> list[RequestOutput]:
-        pbar = tqdm(total=len(states), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
-        finals, num_tokens, start = {}, 0, perf_counter()
-        while self.engine.has_unfinished_requests():
-            for out in self.engine.step():
-                if out.error is not None:
-                    raise out.error
-                num_tokens += len(out.new_token_ids)
-                final = states[out.request_id].update(out)  # None until the request finishes
-                if final is not None:
-                    finals[out.request_id] = final
-                    pbar.update(1)
-            pbar.set_postfix(output=f"{num_tokens / (perf_counter() - start):.0f} tok/s")
         pbar.close()
         return [finals[request_id] for request_id in states]
-
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: Params = None, use_tqdm: bool = True,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate."""
-        if self.tokenizer is None:
-            raise ValueError("chat: this model folder has no tokenizer, so it has no chat template")
-        conversations = [messages] if isinstance(messages[0], dict) else messages
-        texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
-                 for c in conversations]
-        # The template already holds any special tokens (BOS): do not let encode add them twice.
-        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
-                   for t in texts]
-        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)

@@ -2,8 +2,8 @@
 its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
 (the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
 where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
-A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and with async scheduling
-(whose placeholders it writes, as the core's loop does).
+A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and always with async
+scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the sequence whose token it awaits)).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
 is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
@@ -62,20 +62,21 @@ class InputBatch:
         placeholders = np.flatnonzero(positions >= known[owner])  # async scheduling: filled in on the device
         input_ids[placeholders] = 0
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per fork.
-        counts = np.array(out.do_sample, np.int64) * (1 + num_drafts + np.array([len(f) for f in out.forks]))
+        # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per fork. (Nothing is
+        # drawn for raw_logits: a beam's row is the beam search's, seam 19.)
+        drawn = np.array([do_sample and not seq.raw_logits for seq, do_sample in zip(out.seqs, out.do_sample)])
+        counts = drawn * (1 + num_drafts + np.array([len(f) for f in out.forks]))
         sampler = np.repeat(np.arange(n), counts)
         j = np.arange(len(sampler)) - (np.cumsum(counts) - counts)[sampler]
         logits_rows = (cu_q + q_lens - 1 - num_drafts)[sampler] + np.minimum(j, num_drafts[sampler])
-        raw = np.array([seq.raw_logits for seq in out.seqs], bool)[sampler]
-        params = self.params[rows[sampler[~raw]]]
+        params = self.params[rows[sampler]]
         return StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
-            context_lens=starts + q_lens, logits_rows=logits_rows[~raw].tolist(), raw_rows=logits_rows[raw].tolist(),
+            context_lens=starts + q_lens, logits_rows=logits_rows.tolist(),
             params={name: params[:, i] for i, name in enumerate(PARAMS)},
-            placeholder_rows=placeholders.tolist(),
-            placeholder_seq_ids=[out.seqs[i].seq_id for i in owner[placeholders].tolist()])
+            extras={"placeholders": [(row, out.seqs[i].seq_id) for row, i in zip(placeholders.tolist(),
+                                                                                  owner[placeholders].tolist())]})
 
     def _sync(self, seq: Sequence, rewrite_blocks: bool) -> int:
         """seq's row, with the tokens and blocks seq gained since its last step written into it."""

@@ -8,7 +8,8 @@ from nanoserve.structured_outputs import StructuredOutputsParams
 # Request options a feature serves (engine/seams.py request_checks), and how to plug it in: a plain engine refuses
 # a request that sets one.
 FEATURE_OPTIONS = {"priority": "it needs scheduling_policy='priority'", "lora_request": "pass enable_lora=True",
-                   **dict.fromkeys(("structured_outputs", "logprobs", "prompt_logprobs"), "nanoserve.LLM plugs it in")}
+                   **dict.fromkeys(("structured_outputs", "logprobs", "prompt_logprobs"), "nanoserve.LLM plugs it in"),
+                   "kv_transfer_params": "it needs a kv_transfer_config (docs/disaggregated.md)"}
 
 
 class RequestOutputKind(Enum):
@@ -42,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string before this many output tokens
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None  # the output matches a schema, regex, choice, grammar
+    kv_transfer_params: dict | None = None  # disaggregated prefill: send or receive the prompt's KV (kv_transfer/)
 
     def __post_init__(self) -> None:
         for name, (kind, interval) in LIMITS.items():
@@ -55,27 +57,24 @@ class SamplingParams:
             if not isinstance(getattr(self, name), kind):
                 raise ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
         self.stop_token_ids = [checked_number("stop_token_ids", t, int, "[0, inf)") for t in self.stop_token_ids]
-        self.stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
-        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
-            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        self.stop = list(self.stop)
-        if "" in self.stop:
-            raise ValueError("stop: an empty string would stop at once")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise ValueError(f"stop must be a string or a list of strings, none empty (an empty string would stop at "
+                             f"once), got {self.stop!r}")
+        self.stop = list(stop)
         if self.structured_outputs is not None and self.min_tokens:  # a complete output allows EOS alone: ruled out
             raise ValueError("min_tokens: must be 0 with structured_outputs (the grammar decides where it ends)")
 
 
 # Every number a request may hold, in interval notation ("inf" is never reached, so floats must be finite): a value
 # outside it, NaN, infinity, a bool, a string or a float where an integer belongs is a ValueError naming the field.
+# (Checked after the table: top_k is not 0, min_tokens <= max_tokens.)
 LIMITS: dict[str, tuple[type, str]] = {
-    "n": (int, "[1, inf)"), "temperature": (float, "[0, inf)"), "top_p": (float, "(0, 1]"),
-    "top_k": (int, "[-1, inf)"),  # and not 0 (checked after the table)
+    "n": (int, "[1, inf)"), "temperature": (float, "[0, inf)"), "top_p": (float, "(0, 1]"), "top_k": (int, "[-1, inf)"),
     "min_p": (float, "[0, 1]"), "presence_penalty": (float, "[-2, 2]"), "frequency_penalty": (float, "[-2, 2]"),
-    "repetition_penalty": (float, "(0, inf)"), "max_tokens": (int, "[1, inf)"),
-    "min_tokens": (int, "[0, inf)"),  # and <= max_tokens (checked after the table)
+    "repetition_penalty": (float, "(0, inf)"), "max_tokens": (int, "[1, inf)"), "min_tokens": (int, "[0, inf)"),
     "seed": (int, f"[{-2 ** 63}, {2 ** 63})"),  # what torch.Generator.manual_seed takes, with room for seed + i
-    "logprobs": (int, "[0, inf)"), "prompt_logprobs": (int, "[0, inf)"),
-}
+    "logprobs": (int, "[0, inf)"), "prompt_logprobs": (int, "[0, inf)")}
 OPTIONAL = {"seed", "logprobs", "prompt_logprobs"}  # None: not asked for
 TYPES = {"ignore_eos": (bool, "True or False"), "include_stop_str_in_output": (bool, "True or False"),
          "output_kind": (RequestOutputKind, "a RequestOutputKind"),

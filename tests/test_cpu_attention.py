@@ -10,7 +10,8 @@ import torch
 
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.layers.attention import AttentionMetadata, attention_backend
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.selector import attention_backend
 from nanoserve.layers.torch_attention import to_cache_dtype
 from nanoserve.utils.backends import pick_attention_backend
 from nanoserve.utils.cpu_kernel import load_cpu_kernel

@@ -8,6 +8,7 @@ from test_reading_guide import files_run
 from test_scheduling_random import next_token, random_case
 
 from nanoserve import LLM
+from nanoserve.beam_search.scheduler import beam_rows
 from nanoserve.engine.input_batch import InputBuilder
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
@@ -48,7 +49,8 @@ def plan(*rows: tuple[Sequence, int]) -> SchedulerOutput:
 def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
     # a: a whole prompt of 6, n = 2 (its fork samples from the same row); b: a decode with a repetition penalty
     # and min_tokens; c: the first chunk of a 10-token prompt (samples nothing); d: async scheduling's decode of
-    # a token the step before is still sampling (a placeholder).
+    # a token the step before is still sampling (a placeholder: the persistent batch's alone, which async
+    # scheduling always uses; the plain loops get a, b and c, and each expected list below without d's part).
     a = make(0, [10, 11, 12, 13, 14, 15], [3, 7], n=2, temperature=0.5, top_k=5)
     a2 = Sequence(1, a.token_ids, a.sampling_params, BS, index=1)
     a.group = a2.group = [a, a2]
@@ -59,33 +61,38 @@ def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
     c = make(3, list(range(30, 40)), [5, 6, 8], temperature=0)
     d = make(4, [40, 41, 42], [9], temperature=0, min_tokens=2)
     d.num_computed_tokens, d.num_output_placeholders = 3, 1
-    out = plan((a, 6), (b, 1), (c, 4), (d, 1))
-    assert [s.num_outputs_in_flight for s in (a, b, d)] == [0, 0, 1]
+    with_d = kind == "persistent"
+    out = plan((a, 6), (b, 1), (c, 4), *[(d, 1)] * with_d)
+    assert [s.num_outputs_in_flight for s in (a, b, d)] == [0, 0, with_d]
+
+    def cut(expected: list) -> list:  # without d's part
+        return expected if with_d else expected[:-1]
 
     inputs = builder(kind).prepare_inputs(out)
-    assert inputs.input_ids.tolist() == [10, 11, 12, 13, 14, 15, 25, 30, 31, 32, 33, 0]
-    assert inputs.positions.tolist() == [0, 1, 2, 3, 4, 5, 5, 0, 1, 2, 3, 3]
+    assert inputs.input_ids.tolist() == cut([10, 11, 12, 13, 14, 15, 25, 30, 31, 32, 33, 0])
+    assert inputs.positions.tolist() == cut([0, 1, 2, 3, 4, 5, 5, 0, 1, 2, 3, 3])
     # slot = block_table[p // 4] * 4 + p % 4
-    assert inputs.meta.slot_mapping.tolist() == [12, 13, 14, 15, 28, 29, 17, 20, 21, 22, 23, 39]
-    assert inputs.meta.block_tables.tolist() == [[3, 7, -1], [1, 4, -1], [5, 6, 8], [9, -1, -1]]
-    assert inputs.meta.context_lens.tolist() == [6, 6, 4, 4]
-    assert inputs.meta.cu_seqlens_q.tolist() == [0, 6, 7, 11, 12]
-    assert inputs.meta.cu_seqlens_k.tolist() == [0, 6, 12, 16, 20]
+    assert inputs.meta.slot_mapping.tolist() == cut([12, 13, 14, 15, 28, 29, 17, 20, 21, 22, 23, 39])
+    assert inputs.meta.block_tables.tolist() == cut([[3, 7, -1], [1, 4, -1], [5, 6, 8], [9, -1, -1]])
+    assert inputs.meta.context_lens.tolist() == cut([6, 6, 4, 4])
+    assert inputs.meta.cu_seqlens_q.tolist() == cut([0, 6, 7, 11, 12])
+    assert inputs.meta.cu_seqlens_k.tolist() == cut([0, 6, 12, 16, 20])
     assert (inputs.meta.max_seqlen_q, inputs.meta.max_seqlen_k) == (6, 6)
-    assert inputs.logits_rows.tolist() == [5, 5, 6, 11]  # a and its fork, b, d; c's chunk samples nothing
-    assert inputs.sample_seq_ids == [0, 1, 2, 4]
-    assert (inputs.placeholder_rows, inputs.placeholder_seq_ids) == ([11], [4])
-    assert inputs.extras == {}
+    assert inputs.logits_rows.tolist() == cut([5, 5, 6, 11])  # a and its fork, b, d; c's chunk samples nothing
+    assert inputs.sample_seq_ids == cut([0, 1, 2, 4])
+    # d's row 11 awaits the token seq 4 is still sampling
+    assert inputs.extras == ({"placeholders": [(11, 4)]} if with_d else {})
 
     sampling = inputs.sampling
-    assert sampling.temperatures.tolist() == [0.5, 0.5, 0.0, 0.0] and sampling.top_ks.tolist() == [5, 5, 100, 100]
-    assert sampling.top_ps is None and sampling.min_ps is None and sampling.generators == [None] * 4
+    assert sampling.temperatures.tolist() == cut([0.5, 0.5, 0.0, 0.0])
+    assert sampling.top_ks.tolist() == cut([5, 5, 100, 100])
+    assert sampling.top_ps is None and sampling.min_ps is None and sampling.generators == cut([None] * 4)
     rows, token_ids = sampling.min_tokens_mask  # b has 1 output token of 3, d 0 + 1 in flight of 2
-    assert rows.tolist() == [2, 2, 3] and token_ids.tolist() == [7, EOS, EOS]
+    assert rows.tolist() == cut([2, 2, 3]) and token_ids.tolist() == cut([7, EOS, EOS])
     p = sampling.penalties  # one row asks for a penalty: every row gets its ids (the others' penalties are 0/1)
-    assert p.output_token_ids.tolist() == [[VOCAB], [VOCAB], [25], [-1]]  # -1: the token in flight
+    assert p.output_token_ids.tolist() == cut([[VOCAB], [VOCAB], [25], [-1]])  # -1: the token in flight
     assert p.prompt_token_ids[2].tolist() == [20, 21, 22, 23, 24, VOCAB]
-    assert p.repetition_penalties.tolist() == [1.0, 1.0, 1.25, 1.0]
+    assert p.repetition_penalties.tolist() == cut([1.0, 1.0, 1.25, 1.0])
 
 
 @pytest.mark.parametrize("kind", BUILDERS)
@@ -114,7 +121,7 @@ def as_lists(inputs) -> dict:
         tensors.update(vars(s.penalties))
     lists = {name: None if t is None else (t.dtype, t.tolist()) for name, t in tensors.items()}
     return lists | dict(max_seqlen=(m.max_seqlen_q, m.max_seqlen_k), sample_seq_ids=inputs.sample_seq_ids,
-                        placeholders=(inputs.placeholder_rows, inputs.placeholder_seq_ids))
+                        placeholders=inputs.extras.get("placeholders", []))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -175,17 +182,20 @@ def test_a_tiny_temperature_still_counts_as_used(kind):
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_lookahead_tokens_are_inputs_and_each_gets_a_sampling_row(kind):
     # a verifies 2 drafts after its newest token (rows 2, 3, 4: 1 + k sampling rows); b's request picks its own
-    # tokens (raw_logits: scored, nothing drawn), its row after the sampled ones.
+    # tokens (raw_logits: nothing drawn), its row after the sampled ones, where the beam search's seam puts it.
     a = make(0, [10, 11, 12], [3, 6], temperature=0, presence_penalty=0.5)
     a.append_token(13)
     a.num_computed_tokens, a.spec_token_ids = 3, [14, 15]
     b = make(1, [20, 21], [5], temperature=0)
     b.raw_logits = True
-    inputs = builder(kind).prepare_inputs(plan((a, 3), (b, 2)))
+    built = builder(kind)
+    built.extra_logits_rows["beam_search"] = beam_rows  # the beam search chapter's seam (beam_search/scheduler.py)
+    out = plan((a, 3), (b, 2))
+    inputs = built.prepare_inputs(out)
     assert inputs.input_ids.tolist() == [13, 14, 15, 20, 21]
     assert inputs.positions.tolist() == [3, 4, 5, 0, 1]
     assert inputs.meta.slot_mapping.tolist() == [15, 24, 25, 20, 21]
-    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and inputs.raw_rows == [3]
+    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and inputs.extras["beam_search"] == (out, [3])
     assert inputs.sample_seq_ids == [0, 0, 0] and inputs.spec_decode_tokens == {0: [14, 15]}
     # row (a, j) counts a's first j drafts as output (penalties)
     assert inputs.sampling.penalties.output_token_ids.tolist() == [[13, VOCAB, VOCAB], [13, 14, VOCAB], [13, 14, 15]]

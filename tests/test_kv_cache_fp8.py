@@ -13,7 +13,7 @@ from test_cpu_attention import run_backend
 from conftest import random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.layers.attention import attention_backend
+from nanoserve.layers.selector import attention_backend
 from nanoserve.layers.torch_attention import FP8_MAX, to_cache_dtype
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 

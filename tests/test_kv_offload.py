@@ -114,7 +114,7 @@ def test_needs_prefix_caching(tiny_models):
 
 def test_off_plugs_nothing_in(tiny_models):
     llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=16)
-    assert llm.engine.seams.kv_cache_tier is None and "kv_offloading_size" not in llm.engine.model_runner.kv_pools
+    assert llm.engine.seams.kv_cache_tier is None and not llm.engine.model_runner.kv_pools
 
 
 def test_stats_trace_and_metrics_agree(tiny_models):
@@ -161,9 +161,10 @@ def fail_copies(monkeypatch, llm: LLM, fails) -> list[int]:
     runner, failed = llm.engine.model_runner, []
     copy = runner.copy_blocks
 
-    def failing_copy(mapping, src="device", dst="device"):
+    def failing_copy(mapping, src=None, dst=None):
         for src_id, dst_id in mapping:
-            offloading, loading = dst == "kv_offloading_size", src == "kv_offloading_size"
+            pool = runner.kv_pools["kv_offloading_size"]
+            offloading, loading = dst is pool, src is pool
             if (offloading or loading) and fails(src_id, dst_id, offloading):
                 failed.append(dst_id if offloading else src_id)
                 raise RuntimeError("injected copy failure")

@@ -6,7 +6,8 @@ from itertools import accumulate
 import pytest
 import torch
 
-from nanoserve.layers.attention import AttentionMetadata, attention_backend
+from nanoserve.layers.attention import AttentionMetadata
+from nanoserve.layers.selector import attention_backend
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 BACKENDS = ["torch", "triton"]

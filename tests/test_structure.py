@@ -9,12 +9,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "nanoserve"
 RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structured_outputs",  # importable by all
            "nanoserve.outputs", "nanoserve.speculative_config", "nanoserve.beam_search_params",
-           "nanoserve.lora_request"}
+           "nanoserve.lora_request", "nanoserve.kv_transfer_config"}
 # Higher floors import lower ones, never the reverse. The core is floors 0-4; the features (chapters) stand on it
 # at 5; chapters.py, which plugs them in, above them; then what is built on the whole engine.
 FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4,
           "spec_decode": 5, "beam_search": 5, "structured_output": 5, "step_records": 5, "parallel": 5,
-          "kv_offload": 5, "lora": 5, "scheduling": 5, "persistent_batch": 5, "logprobs": 5, "sliding_window": 5,
+          "kv_offload": 5, "host_kv_pool": 5, "lora": 5, "scheduling": 5, "persistent_batch": 5, "logprobs": 5,
+          "kv_transfer": 5, "sliding_window": 5,
           "chapters": 6, "serving": 7, "tools": 7}
 CORE = {"utils", "layers", "models", "engine", "llm", "async_llm"}
 

@@ -1,19 +1,24 @@
 """Beam search in the engine (LLM.beam_search): a request's live beams are one sequence group, as in early vLLM.
 
-Its beams have raw_logits: nothing is drawn for them, and the executor hands their logits rows back with the plan
-(`out.raw_logits`). search.py's BeamSearch.step says who goes on from whom, and `BeamScheduler.step` (the
-after_step seam, plugged in with the first beam search) acts that out on the blocks, in order:
+Its beams have raw_logits: nothing is drawn for them; their logits rows join the step (the extra_logits_rows
+seam, `beam_rows`) and go back with the plan (`out.raw_logits`, the after_sample seam). search.py's
+BeamSearch.step says who goes on from whom, and `BeamScheduler.step` (the after_step seam, plugged in with the
+first beam search) acts that out on the blocks, in order:
 free the beams that have no child, fork a parent with several children (the child shares every block: one
 more reference each), then append each child's token. The next schedule's `may_append` splits a shared,
 partly filled last block (copy-on-write) only for a beam that writes into it. docs/beam_search.md draws it.
 """
 import weakref
 from collections.abc import Iterator
+from itertools import accumulate
+
+import torch
 
 from nanoserve.beam_search.search import BeamChild, BeamSearch, Hypothesis
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
@@ -24,6 +29,21 @@ def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
     """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of blocks, and no
     EOS stop of their own. (Nothing is drawn for a beam: its row skips the sampler, and the beam step picks.)"""
     return SamplingParams(n=params.beam_width, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+
+
+def beam_rows(out: SchedulerOutput, rows: list, first_row: int) -> tuple[list[int], tuple[SchedulerOutput, list[int]]]:
+    """The extra_logits_rows seam: the batch row of each beam's newest token, for the beams that sample (in batch
+    order); its state: the plan and where those rows are among the logits."""
+    ends = accumulate(out.num_scheduled_tokens)
+    batch_rows = [end - 1 for seq, do_sample, end in zip(out.seqs, out.do_sample, ends) if do_sample and seq.raw_logits]
+    return batch_rows, (out, list(range(first_row, first_row + len(batch_rows))))
+
+
+def keep_beam_logits(runner, logits: torch.Tensor, sampled: torch.Tensor, inputs: ModelInput) -> None:
+    """The after_sample seam: the beams' logits rows go back with the plan (out.raw_logits), for BeamScheduler.step."""
+    out, rows = inputs.extras["beam_search"]
+    if rows:
+        out.raw_logits = logits[rows]
 
 
 class BeamRequest(Request):
@@ -60,6 +80,8 @@ class BeamScheduler:
     def plug_in(cls, engine: EngineCore) -> "BeamScheduler":
         engine.seams.features["beam_search"] = beams = cls(engine)
         engine.seams.after_step.append(beams.step)
+        engine.seams.extra_logits_rows["beam_search"] = beam_rows
+        engine.seams.after_sample.append(keep_beam_logits)
         return beams
 
     def check_request(self, token_ids: list[int], params: BeamSearchParams) -> None:

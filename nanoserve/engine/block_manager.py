@@ -107,6 +107,8 @@ class BlockManager:
             hit_ids.append(block.block_id)
         seq.block_table = hit_ids + [self.allocate_block() for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
+        if self.seams.kv_connector is not None:  # more of the prompt's KV, computed by another engine (kv_transfer/)
+            self.seams.kv_connector.update_state_after_alloc(seq)
         return True
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:

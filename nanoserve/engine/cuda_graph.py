@@ -43,7 +43,7 @@ def profile_num_blocks(runner) -> int:
     stats = torch.cuda.memory_stats()
     activations = stats["allocated_bytes.all.peak"] - stats["allocated_bytes.all.current"]
     available = total * cfg.gpu_memory_utilization - (total - free) - activations
-    return int(available) // runner._block_bytes() - 1  # minus the scratch block
+    return int(available) // runner.block_bytes() - 1  # minus the scratch block
 
 
 class CUDAGraphs:

@@ -33,16 +33,14 @@ class StepArrays:
     q_lens: list[int] = field(default_factory=list)  # the tokens each sequence computes
     context_lens: list[int] = field(default_factory=list)
     logits_rows: list[int] = field(default_factory=list)  # per sampling row, the batch row it samples from
-    raw_rows: list[int] = field(default_factory=list)  # the same for requests that pick their own (raw_logits)
     params: dict[str, list] | None = None  # per name of PARAMS, a value per sampling row (None: read them here)
-    placeholder_rows: list[int] = field(default_factory=list)  # async scheduling: rows the step before still...
-    placeholder_seq_ids: list[int] = field(default_factory=list)  # ...samples, for these sequences
+    extras: dict[str, object] = field(default_factory=dict)  # a chapter's, for ModelInput.extras (placeholders)
 
 
 @dataclass
 class ModelInput:
     """One step's batch as tensors. Rows of logits_rows: first one per sequence that samples (a request's
-    n > 1 forks repeat its row), in `sample_seq_ids` order; then the raw rows; then those features add."""
+    n > 1 forks repeat its row), in `sample_seq_ids` order; then those features add (seam 19)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -51,10 +49,8 @@ class ModelInput:
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
-    raw_rows: list[int]  # logits rows of requests that pick their own tokens (raw_logits)
-    placeholder_rows: list[int] = field(default_factory=list)  # as in StepArrays
-    placeholder_seq_ids: list[int] = field(default_factory=list)
-    extras: dict[str, object] = field(default_factory=dict)  # a feature's state for its logits rows (seam 19)
+    # A feature's state: for its logits rows (seam 19); async scheduling's placeholders (persistent_batch.py).
+    extras: dict[str, object] = field(default_factory=dict)
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -93,17 +89,14 @@ class InputBuilder:
         rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                 if do_sample and not seq.raw_logits
                 for s, j in [*((seq, j) for j in range(len(seq.spec_token_ids) + 1)), *((f, 0) for f in forks)]]
-        logits_rows, extras = step.logits_rows + step.raw_rows, {}  # raw rows: scored, nothing drawn
-        raw_rows = list(range(len(step.logits_rows), len(logits_rows)))
-        for name, extra_rows in self.extra_logits_rows.items():  # the seam: e.g. the prompt logprobs' rows
-            more, extras[name] = extra_rows(out, rows, len(logits_rows))
-            logits_rows += more
+        for name, extra_rows in self.extra_logits_rows.items():  # the seam: the prompt logprobs', the beams' rows
+            more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
+            step.logits_rows += more
         return ModelInput(
             input_ids=self._tensor(step.input_ids, torch.int64), positions=self._tensor(step.positions, torch.int64),
-            meta=meta, logits_rows=self._tensor(logits_rows, torch.int64),
+            meta=meta, logits_rows=self._tensor(step.logits_rows, torch.int64),
             sampling=self.prepare_sampling(rows, step.params), sample_seq_ids=[seq.seq_id for seq, _ in rows],
-            spec_decode_tokens=out.scheduled_spec_decode_tokens, raw_rows=raw_rows,
-            placeholder_rows=step.placeholder_rows, placeholder_seq_ids=step.placeholder_seq_ids, extras=extras)
+            spec_decode_tokens=out.scheduled_spec_decode_tokens, extras=step.extras)
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays, one token at a time: its id, position and cache slot."""
@@ -112,19 +105,15 @@ class InputBuilder:
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
             tokens = seq.token_ids + seq.spec_token_ids  # lookahead tokens follow the newest (speculative decoding)
             for p in range(start, start + num_tokens):
-                if p >= len(tokens):  # async scheduling: the step before is still sampling it (filled in later)
-                    step.placeholder_rows.append(len(step.input_ids))
-                    step.placeholder_seq_ids.append(seq.seq_id)
-                step.input_ids.append(tokens[p] if p < len(tokens) else 0)
+                step.input_ids.append(tokens[p])
                 step.positions.append(p)
                 step.slot_mapping.append(seq.block_table[p // bs] * bs + p % bs)
             step.block_tables.append(seq.block_table)
             step.q_lens.append(num_tokens)
             step.context_lens.append(start + num_tokens)
-            if do_sample:  # the newest token's row, then each lookahead token's; n > 1: the row again per fork
+            if do_sample and not seq.raw_logits:  # the newest token's row, each lookahead token's; the row per fork
                 newest = len(step.input_ids) - 1 - len(seq.spec_token_ids)
-                rows = [newest + j for j in range(len(seq.spec_token_ids) + 1)] + [newest] * len(forks)
-                (step.raw_rows if seq.raw_logits else step.logits_rows).extend(rows)
+                step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)] + [newest] * len(forks)
         return step
 
     def attention_metadata(self, block_tables: np.ndarray | list[list[int]], slot_mapping: np.ndarray | list[int],

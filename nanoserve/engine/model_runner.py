@@ -6,10 +6,11 @@ import torch.distributed as dist
 from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
 from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
-from nanoserve.layers.attention import Attention, AttentionMetadata, attention_backend
-from nanoserve.layers.elementwise_backend import use_elementwise_backend
+from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.selector import attention_backend, use_elementwise_backend
 from nanoserve.models import load_model
 from nanoserve.utils.memory import keep_freed_memory
 
@@ -36,11 +37,11 @@ class ModelRunner:
         self.sampler, self.seams = Sampler(), Seams() if seams is None else seams
         self.attn_layers = [m for model in models for m in model.modules() if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
-        self.kv_pools: dict[str, torch.Tensor] = {}  # host pools of KV blocks a chapter adds (swap, the host tier)
+        self.kv_pools: dict[str, torch.Tensor] = {}  # host pools of KV blocks a chapter adds (host_kv_pool.py)
         # Sized from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves (engine/cuda_graph.py).
         num_blocks = config.num_kvcache_blocks or (profile_num_blocks(self) if self.device.type == "cuda" else
-                                                   int(config.cpu_kvcache_space * 2**30) // self._block_bytes())
-        self.num_kvcache_blocks = self._fewest_on_any_rank(num_blocks)
+                                                   int(config.cpu_kvcache_space * 2**30) // self.block_bytes())
+        self.num_kvcache_blocks = self.fewest_on_any_rank(num_blocks)
         if self.num_kvcache_blocks < 1:
             raise ValueError("the KV cache is too small for even one block: raise gpu_memory_utilization "
                              "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
@@ -50,7 +51,7 @@ class ModelRunner:
             self.cuda_graphs = CUDAGraphs(self.model, config, self.scratch_slot)
 
     # ---- KV cache -------------------------------------------------------------------------
-    def _block_bytes(self) -> int:
+    def block_bytes(self) -> int:
         a = self.attn_layers[0]  # (kv_cache_dtype="fp8": 1 byte an element, twice the blocks)
         return (2 * len(self.attn_layers) * self.block_size * a.num_kv_heads * a.head_dim
                 * self.config.kv_cache_torch_dtype.itemsize)
@@ -68,7 +69,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
             layer.store, layer.impl = store, impl
 
-    def _fewest_on_any_rank(self, num_blocks: int) -> int:
+    def fewest_on_any_rank(self, num_blocks: int) -> int:
         """Every rank must hold the blocks rank 0's scheduler hands out: the smallest count of them all."""
         if dist.is_initialized():
             count = torch.tensor(num_blocks, device=self.device)
@@ -76,22 +77,13 @@ class ModelRunner:
             num_blocks = int(count)
         return num_blocks
 
-    def allocate_host_pool(self, name: str, gib: float) -> int:
-        """kv_pools[name]: KV blocks in `gib` GiB of host memory, page-locked on CUDA, for a chapter named by its
-        option (swap_space, kv_offloading_size). Returns how many."""
-        num_blocks = self._fewest_on_any_rank(int(gib * 2**30) // self._block_bytes())
-        if num_blocks < 1:
-            raise ValueError(f"{name} ({gib} GiB) is too small for one KV block ({self._block_bytes()} bytes)")
-        shape = (*self.kv_cache.shape[:2], num_blocks, *self.kv_cache.shape[3:])
-        self.kv_pools[name] = torch.zeros(shape, dtype=self.kv_cache.dtype, pin_memory=self.device.type == "cuda")
-        return num_blocks
-
-    def copy_blocks(self, mapping: list[tuple[int, int]], src: str = "device", dst: str = "device") -> None:
-        """Copy KV blocks (source, destination) between pools, "device" (kv_cache) or a host pool's name: within
-        the device pool, copy-on-write's copies; between pools, swap and offloading's."""
+    def copy_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor | None = None,
+                    dst: torch.Tensor | None = None) -> None:
+        """Copy KV blocks (source, destination) within the KV cache (copy-on-write), or from or to a chapter's
+        host pool (src, dst: nanoserve/host_kv_pool.py)."""
         src_ids, dst_ids = zip(*mapping)
-        src_pool, dst_pool = (self.kv_cache if name == "device" else self.kv_pools[name] for name in (src, dst))
-        dst_pool[:, :, list(dst_ids)] = src_pool[:, :, list(src_ids)].to(dst_pool.device)
+        src, dst = (self.kv_cache if pool is None else pool for pool in (src, dst))
+        dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
 
     # ---- one step: forward (every rank), sampling (rank 0) ---------------------------------------
     @torch.inference_mode()
@@ -122,3 +114,43 @@ class ModelRunner:
     def apply(self, fn: Callable, *args) -> object:
         """A feature's work on this rank's model (`executor.call("apply", fn, ...)` on every rank: LoRA's)."""
         return fn(self, *args)
+
+
+class Executor:
+    """Runs each step on the model: here this process's ModelRunner alone (vLLM's UniProcExecutor). The parallel
+    chapter's (parallel/executor.py) runs it on every rank: it overrides `call` (to every worker too) and `finish`."""
+
+    def __init__(self, config: Config, seams: Seams):
+        self.config, self.seams = config, seams
+        self.model_runner = ModelRunner(config, seams=seams)
+
+    def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
+        """One step: the KV block copies, the forward, sampling. A token id per sampling row, on the device."""
+        return self.finish(out, *self.launch(out, inputs))
+
+    def launch(self, out: SchedulerOutput, inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
+        """The step up to the logits: the inputs that ran (with a draft model's drafts) and their logits."""
+        for way in ("out", "in"):  # the seam: KV moved between pools (swap, the host tier), reads of the device first
+            for move in self.seams.move_kv:
+                move(out, self, way)
+        if out.blocks_to_copy:  # copy-on-write, inside the device pool
+            self.call("copy_blocks", out.blocks_to_copy)
+        if self.seams.propose is not None:  # the seam before the forward: a draft model fills the lookahead slots
+            inputs = self.seams.propose(out, inputs, lambda *args: self.call("run_model", *args, True))  # draft=True
+        if inputs is None:  # everyone was preempted
+            return None, None
+        for prepare in self.seams.before_forward:  # the seam: e.g. async scheduling's placeholders, LoRA's rows
+            prepare(out, inputs)
+        return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
+
+    def finish(self, out: SchedulerOutput, inputs: ModelInput | None, logits: torch.Tensor | None) -> torch.Tensor:
+        """The sampled ids."""
+        if inputs is None:
+            return torch.empty(0, dtype=torch.int64)
+        return self.model_runner.sample(logits, inputs)
+
+    def call(self, method: str, *args):
+        return getattr(self.model_runner, method)(*args)
+
+    def shutdown(self) -> None:
+        pass

@@ -2,6 +2,8 @@
 EngineCoreOutputs become the RequestOutputs a front end returns (RequestState)."""
 from dataclasses import dataclass, replace
 
+from tokenizers.decoders import DecodeStream
+
 from nanoserve.outputs import CompletionOutput, RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -66,13 +68,12 @@ class RequestState:
 
 class IncrementalDetokenizer:
     """One request's output text, token by token, and its stop strings (vLLM's semantics). Byte-level BPE splits
-    a character like an emoji over several tokens, and a token decoded alone can give the wrong text (a broken
-    character, a missing space); so each step decodes a window, the tokens since `prefix_offset`, minus the text
-    those before `read_offset` gave, and text ending in a broken character (U+FFFD) waits for the next token."""
+    a character like an emoji over several tokens: tokenizers' DecodeStream gives a token's text (None while a
+    character is still incomplete) from the few tokens before it, as vLLM's FastIncrementalDetokenizer does."""
 
     def __init__(self, tokenizer, params: SamplingParams):
         self.tokenizer, self.params, self.token_ids, self.text = tokenizer, params, [], ""
-        self.prefix_offset = self.read_offset = 0
+        self.stream = DecodeStream(skip_special_tokens=True)
         self.num_sent = 0  # characters of text already handed out
         # Without include_stop_str_in_output, the tail that may turn out to begin a stop string is held back.
         self.hold_back = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
@@ -81,8 +82,10 @@ class IncrementalDetokenizer:
         """Take in a new token (the last one if finished); returns the stop string its text completes, if any
         (the text is cut there)."""
         self.token_ids.append(token_id)
-        new_text = self._decode_new(flush=finished)
-        self.text += new_text
+        new_text = self.stream.step(self.tokenizer._tokenizer, token_id)
+        if new_text is None and finished:  # cut off inside a character: end in U+FFFD, as decoding all at once
+            new_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[len(self.text) :]
+        self.text += new_text or ""
         if not new_text or len(self.token_ids) <= self.params.min_tokens:
             return None
         for stop in self.params.stop:
@@ -92,15 +95,6 @@ class IncrementalDetokenizer:
                 self.text = self.text[: i + len(stop) if self.params.include_stop_str_in_output else i]
                 return stop
         return None
-
-    def _decode_new(self, flush: bool) -> str:
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        prefix_text = decode(self.token_ids[self.prefix_offset : self.read_offset])
-        new_text = decode(self.token_ids[self.prefix_offset :])
-        if len(new_text) <= len(prefix_text) or (new_text.endswith("\ufffd") and not flush):
-            return ""  # no new text yet, or a character still incomplete
-        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        return new_text[len(prefix_text) :]
 
     def get_delta(self, finished: bool) -> str:
         """The text not handed out yet (all of it once finished)."""

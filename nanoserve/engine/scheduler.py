@@ -2,9 +2,10 @@
 with vLLM V1's token budget (enable_chunked_prefill); swap and priority (nanoserve/scheduling/) subclass it."""
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
+from nanoserve.engine.stats import SchedulerStats
 
 
 class Scheduler:

@@ -3,7 +3,6 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.engine.sequence import Sequence
-from nanoserve.speculative_config import SpecDecodingStats
 
 
 @dataclass
@@ -25,6 +24,7 @@ class SchedulerOutput:
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/'s hits back (host, device)
     failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # the executor's, with why
     failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # (a failed load's block has no KV)
+    kv_connector_metadata: object = None  # kv_transfer/: the step's KV loads and saves for another engine
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
     # What the step's output did, for its record (nanoserve/step_records.py):
@@ -48,24 +48,3 @@ class SchedulerOutput:
         seq = self.seqs[i]
         num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, []))
         return self.num_scheduled_tokens[i] == 1 + num_drafts and self.num_computed_tokens[i] >= seq.num_prompt_tokens
-
-
-@dataclass
-class SchedulerStats:
-    """Counters a student can watch: `llm.stats` (docs/scheduling.md shows them at work)."""
-
-    num_steps: int = 0
-    num_prefill_steps: int = 0  # steps that compute prompt tokens, alone or (chunked prefill) mixed with decodes
-    num_preemptions: int = 0  # recomputed or swapped out
-    num_prompt_tokens: int = 0  # tokens admitted by prefills, cached or not (a preempted request counts again)
-    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache instead of computed
-    num_generated_tokens: int = 0
-    num_chunked_prefills: int = 0  # prompt chunks that stopped short of the prompt's end (so sampled nothing)
-    num_mixed_steps: int = 0  # steps whose batch mixed prefill work with decodes (chunked prefill)
-    num_priority_preemptions: int = 0  # running requests evicted for a more urgent waiting one (priority policy)
-    num_swapped_out: int = 0  # preemptions that moved the KV to host memory (the others recompute)
-    num_swapped_in: int = 0  # swapped-out requests whose KV was copied back
-    num_offloaded_blocks: int = 0  # evicted cached blocks whose KV was copied to the host tier (kv_offload/)
-    num_loaded_blocks: int = 0  # blocks copied back from the host tier for a prefix the device missed
-    num_host_cached_tokens: int = 0  # the part of num_cached_tokens the host tier served (host hits)
-    spec_decoding: SpecDecodingStats = field(default_factory=SpecDecodingStats)  # lookahead tokens verified

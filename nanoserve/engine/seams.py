@@ -33,6 +33,18 @@ class KVCacheTier(Protocol):
         """Copy the block held under block_hash into the fresh device block block_id, before the forward."""
 
 
+class KVConnector(Protocol):
+    """The scheduler's side of a KV connector (vLLM's KVConnectorBase_V1; kv_transfer/: disaggregated prefill): a
+    prompt's KV that another engine computed is loaded instead of computed. The core calls it where a prompt gets its
+    blocks; the rest rides other seams: the step's loads and saves go into its plan at after_schedule (vLLM's
+    build_connector_meta), are written into blocks at move_kv (start_load_kv) and read out at after_step
+    (wait_for_save), whole blocks at a time."""
+
+    def update_state_after_alloc(self, seq: Sequence) -> None:
+        """seq got its blocks, num_computed_tokens of them cached: the connector counts more of its prompt as
+        computed (vLLM's get_num_new_matched_tokens) and notes the KV to load into its blocks, this step."""
+
+
 @dataclass
 class Seams:
     # 1. Requests (EngineCore.check_request, add_request): an option a feature serves -> its check, before anything
@@ -84,7 +96,7 @@ class Seams:
     # 15. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
     # 16. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
-    #    process's ModelRunner alone (engine/executor.py).
+    #    process's ModelRunner alone (engine/model_runner.py's Executor).
     executor_class: type | None = None
     # 17. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
@@ -97,7 +109,10 @@ class Seams:
     extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
     # 20. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
     after_sample: list[Callable] = field(default_factory=list)
-    # 21. The block manager's class, for the device pool and the swap pool: (num_blocks, block_size,
+    # 21. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
+    #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
+    kv_connector: KVConnector | None = None
+    # 22. The block manager's class, for the device pool and the swap pool: (num_blocks, block_size,
     #    enable_prefix_caching, seams) -> a BlockManager (sliding_window/: frees the blocks behind the window).
     block_manager_class: Callable | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first

@@ -4,7 +4,7 @@ the rest here and copies it back into fresh device blocks instead of recomputing
 
 It plugs in at the kv_cache_tier seam (engine/seams.py): the BlockManager calls `offload` when it hands out a free
 block that is still cached, `lookup` and `load` on a prefix miss. This file keeps the host tier's books (which hash
-each host block holds, least recently used first); the KV itself lives in each rank's ModelRunner.kv_pools (under
+each host block holds, least recently used first); the KV itself lives in each rank's host pool (host_kv_pool.py, under
 "kv_offloading_size"), and the copies ride in the step's plan (SchedulerOutput.blocks_to_offload, blocks_to_load,
 taken in at the after_schedule seam), run before the forward (move_kv), one block at a time: a failed copy costs
 only its block.
@@ -17,7 +17,9 @@ from collections import OrderedDict
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput, SchedulerStats
+from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.stats import SchedulerStats
+from nanoserve.host_kv_pool import allocate_host_pool, copy_host_blocks
 
 
 class HostKVTier:
@@ -108,7 +110,7 @@ def copy_tier_blocks(runner: ModelRunner, mapping: list[tuple[int, int]], offloa
         try:
             if not offloading and src_id in lost_blocks:
                 raise RuntimeError(f"host block {src_id} holds no KV: copying it out failed")
-            runner.copy_blocks([(src_id, dst_id)], src, dst)
+            copy_host_blocks(runner, [(src_id, dst_id)], src, dst)
         except Exception as error:
             if runner.rank != 0:
                 raise
@@ -140,7 +142,8 @@ def fail_invalid_blocks(engine: EngineCore, out: SchedulerOutput) -> list[Engine
 def plug_in(engine: EngineCore) -> HostKVTier:
     """Give every rank a host pool of kv_offloading_size GiB (not shared with the swap pool: docs/kv_offload.md
     says why) and the engine a host tier with its books."""
-    num_blocks = engine.executor.call("allocate_host_pool", "kv_offloading_size", engine.config.kv_offloading_size)
+    num_blocks = engine.executor.call("apply", allocate_host_pool, "kv_offloading_size",
+                                      engine.config.kv_offloading_size)
     tier = HostKVTier(num_blocks, engine.scheduler.stats)
     weak = weakref.proxy(engine)  # (the engine owns its seams: a strong reference back would keep it alive)
     engine.seams.kv_cache_tier = tier

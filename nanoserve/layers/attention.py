@@ -1,5 +1,6 @@
-"""Paged attention's interface: each step's metadata, the backend's (store K/V, attend) pair, and the layer that calls
-them. The PyTorch backend (torch_attention.py) is the one to read; the C++ "cpu" backend is CPU's default."""
+"""Paged attention's interface: each step's metadata, and the layer that calls the backend's (store K/V, attend)
+pair (selector.py binds it). The PyTorch backend (torch_attention.py) is the one to read; the C++ "cpu" backend is
+CPU's default."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,11 +12,9 @@ from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 @dataclass
 class AttentionMetadata:
-    """Where each sequence's tokens sit in the flat batch and in the paged KV cache.
-
-    The batch is the concatenation of every sequence's new tokens ("varlen"): sequence i owns
-    rows cu_seqlens_q[i]:cu_seqlens_q[i+1], and attends to context_lens[i] cached tokens in total.
-    """
+    """Where each sequence's tokens sit in the flat batch and in the paged KV cache. The batch is the concatenation
+    of every sequence's new tokens ("varlen"): sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1], and attends
+    to context_lens[i] cached tokens in total."""
 
     slot_mapping: torch.Tensor  # [num_tokens]: cache slot (block_id * block_size + offset) of each new token
     block_tables: torch.Tensor  # [num_seqs, max_num_blocks]: physical block ids, padded with -1
@@ -35,20 +34,6 @@ def cpu_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                         scale: float, window: int = 0) -> torch.Tensor:
     return load_cpu_kernel("paged_attention_cpu").paged_attention(
         q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.cu_seqlens_q, scale, window)
-
-
-def attention_backend(name: str) -> tuple[Callable, Callable]:
-    """The (store K/V, attend) pair of a backend, as Config resolved it; all but "cpu" are imported only when chosen."""
-    if name == "cpu":
-        return load_cpu_kernel("paged_attention_cpu").store_kvcache, cpu_paged_attention
-    if name == "triton":
-        from nanoserve.layers.triton_attention import triton_paged_attention, triton_store_kvcache
-        return triton_store_kvcache, triton_paged_attention
-    from nanoserve.layers.torch_attention import store_kvcache, torch_paged_attention
-    if name == "flash_attn":
-        from nanoserve.layers.flash_attention import flash_paged_attention
-        return store_kvcache, flash_paged_attention
-    return store_kvcache, torch_paged_attention
 
 
 class Attention(nn.Module):

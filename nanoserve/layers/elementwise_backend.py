@@ -1,16 +1,14 @@
 """The elementwise chains between the matmuls (RMSNorm with its residual add, SwiGLU's gate, RoPE), four ways, as
-Config.elementwise_backend picks. Eager PyTorch runs each chain as 5 to 10 ops that each read and write all the
-activations: in decode they cost more in dispatch than in arithmetic. What each gains: docs/benchmarks.md.
+Config.elementwise_backend picks (selector.py binds them). Eager PyTorch runs each chain as 5 to 10 ops that each
+read and write all the activations: in decode they cost more in dispatch than in arithmetic (docs/benchmarks.md).
 
 - "torch": the modules' own forwards (layers/layernorm.py, activation.py, rotary_embedding.py), the code to read.
 - "cpu": csrc/elementwise_cpu.cpp, one C++ loop per chain (as vLLM's CPU build has); the default on CPU in float32.
 - "triton": layers/triton_elementwise.py, one kernel per chain (Qwen3's q_norm/k_norm read in place); CUDA's default.
 - "compile": layers/torch_compile.py, torch.compile as vLLM compiles its model.
 """
-import types
 
 import torch
-from torch import nn
 
 from nanoserve.layers.activation import SiluAndMul
 from nanoserve.layers.layernorm import RMSNorm
@@ -32,19 +30,3 @@ def rotary_embedding_cpu(self: RotaryEmbedding, positions: torch.Tensor, q: torc
 
 
 CPU_FORWARDS = {RMSNorm: rms_norm_cpu, SiluAndMul: silu_and_mul_cpu, RotaryEmbedding: rotary_embedding_cpu}
-
-
-def use_elementwise_backend(model: nn.Module, backend: str) -> None:
-    """Give model's RMSNorm, SiluAndMul and RotaryEmbedding modules the backend's forward ("torch": their own);
-    "triton" and "compile" are imported only when chosen."""
-    if backend == "triton":
-        from nanoserve.layers.triton_elementwise import TRITON_FORWARDS as forwards
-    elif backend == "compile":
-        from nanoserve.layers.torch_compile import compiled_forward
-
-        forwards = {cls: compiled_forward(cls) for cls in CPU_FORWARDS}
-    else:
-        forwards = CPU_FORWARDS if backend == "cpu" else {}
-    for module in model.modules():
-        if type(module) in forwards:
-            module.forward = types.MethodType(forwards[type(module)], module)

@@ -1,11 +1,9 @@
-"""Linear layers split across the ranks of tensor parallelism (Megatron-LM's scheme; sizes are this rank's).
-
-A column-parallel layer cuts W's output rows: each rank computes a slice of y, with no communication. A
-row-parallel layer cuts W's input columns: each rank's partial sum of y, from the column slice, and one all-reduce
-adds them up (a column layer then a row layer: one all-reduce). With one rank both are plain nn.Linear. The
-embedding and the LM head are split by vocabulary. On CPU the weights are reordered once for oneDNN after
-loading where the CPU supports it (layers/onednn.py); `linear` runs either kind.
-"""
+"""Linear layers split across the ranks of tensor parallelism (Megatron-LM's scheme; sizes are this rank's). A
+column-parallel layer cuts W's output rows: each rank computes a slice of y, with no communication. A row-parallel
+layer cuts W's input columns: each rank's partial sum of y, from the column slice, and one all-reduce adds them up
+(a column layer then a row layer: one all-reduce). With one rank both are plain nn.Linear. The embedding and the LM
+head are split by vocabulary. On CPU the weights are reordered once for oneDNN after loading where the CPU supports
+it (layers/onednn.py); `linear` runs either kind."""
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -52,8 +50,7 @@ class RowParallelLinear(nn.Linear):
         super().__init__(input_size, output_size, bias=bias)
         self.tp_rank, self.tp_size = tp_rank_size()
 
-    def weight_loader(self, param: nn.Parameter, loaded) -> None:
-        # The weight: this rank's columns; the bias is whole on every rank.
+    def weight_loader(self, param: nn.Parameter, loaded) -> None:  # the weight: this rank's columns; the bias: whole
         param.data.copy_(loaded[:, self.rank_columns()] if param.dim() == 2 else loaded[:])
 
     def rank_columns(self) -> slice:
@@ -74,10 +71,9 @@ class RowParallelLinear(nn.Linear):
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """Each rank looks up the ids it owns (zeros for the others'); an all-reduce sums them into the embeddings.
-
-    A vocabulary that does not split evenly (32,001 tokens on 2 ranks) is padded, as vLLM does: every rank
-    gets ceil(V / N) rows, and the last rank's rows past V are zeros that no token id reaches."""
+    """Each rank looks up the ids it owns (zeros for the others'); an all-reduce sums them into the embeddings. A
+    vocabulary that does not split evenly (32,001 tokens on 2 ranks) is padded, as vLLM does: every rank gets
+    ceil(V / N) rows, and the last rank's rows past V are zeros that no token id reaches."""
 
     def __init__(self, vocab_size: int, hidden_size: int):
         self.tp_rank, self.tp_size = tp_rank_size()

@@ -1,5 +1,6 @@
 import torch
 from torch import nn
+from transformers import PretrainedConfig
 
 
 class RotaryEmbedding(nn.Module):
@@ -21,3 +22,12 @@ class RotaryEmbedding(nn.Module):
         """q: [num_tokens, heads, head_dim], k likewise; positions: [num_tokens]."""
         cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         return self._rotate(q, cos, sin), self._rotate(k, cos, sin)
+
+
+def rope_theta(config: PretrainedConfig) -> float:
+    """transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope type {rope_type!r} is not supported; only 'default' RoPE is")
+    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))

@@ -78,9 +78,8 @@ def rule_out(logits: torch.Tensor, sampling: SamplingMetadata) -> torch.Tensor:
     and the stop tokens before min_tokens (vLLM's MinTokensLogitsProcessor)."""
     for processor, state in sampling.logits_processors:
         logits = processor.apply(logits, state)
-    if sampling.min_tokens_mask is None:
-        return logits
-    return logits.index_put(sampling.min_tokens_mask, logits.new_tensor(float("-inf")))
+    mask = sampling.min_tokens_mask
+    return logits if mask is None else logits.index_put(mask, logits.new_tensor(float("-inf")))
 
 
 def apply_penalties(logits: torch.Tensor, p: PenaltyMetadata, newest_token_ids: torch.Tensor) -> torch.Tensor:

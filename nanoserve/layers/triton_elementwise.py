@@ -106,7 +106,7 @@ def triton_rotary_embedding(positions: torch.Tensor, x: torch.Tensor, cos_sin_ca
     return out
 
 
-# The modules' forwards on these kernels (elementwise_backend.use_elementwise_backend binds them).
+# The modules' forwards on these kernels (selector.use_elementwise_backend binds them).
 def rms_norm_triton(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None):
     out, summed = triton_rms_norm(x, residual, self.weight, self.eps)
     return out if residual is None else (out, summed)

@@ -1,7 +1,5 @@
-"""Qwen3, and through two switches Qwen2 and Llama (Mistral: Llama with a sliding window): they differ in attention.
-
-Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither. Windows: config.py.
-"""
+"""Qwen3, and through two switches Qwen2 and Llama (and Mistral, Llama with sliding windows: config.py): they differ
+only in their attention. Qwen3 normalizes q and k per head (qk_norm); Qwen2 adds a bias to q/k/v; Llama has neither."""
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +17,7 @@ from nanoserve.layers.linear import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from nanoserve.layers.rotary_embedding import RotaryEmbedding
+from nanoserve.layers.rotary_embedding import RotaryEmbedding, rope_theta
 from nanoserve.utils.distributed import tp_rank_size
 
 # part(name, build) -> the model's part `name` ("embed_tokens", "layers.3", "norm", "lm_head"): build() here; a
@@ -37,21 +35,8 @@ class Variant:
     qkv_bias: bool | None = None  # None: read config.attention_bias (which also biases o_proj)
 
 
-ARCHITECTURES = {
-    "Qwen3ForCausalLM": Variant(qk_norm=True),
-    "Qwen2ForCausalLM": Variant(qkv_bias=True),
-    "LlamaForCausalLM": Variant(),
-    "MistralForCausalLM": Variant(),
-}
-
-
-def rope_theta(config: PretrainedConfig) -> float:
-    """transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level."""
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope type {rope_type!r} is not supported; only 'default' RoPE is")
-    return float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
+ARCHITECTURES = {"Qwen3ForCausalLM": Variant(qk_norm=True), "Qwen2ForCausalLM": Variant(qkv_bias=True),
+                 "LlamaForCausalLM": Variant(), "MistralForCausalLM": Variant()}
 
 
 class DecoderAttention(nn.Module):
@@ -105,10 +90,8 @@ class DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None,
                 meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            x, residual = self.input_layernorm(x), x
-        else:
-            x, residual = self.input_layernorm(x, residual)
+        # (The first layer has no residual yet: the input is it. Every other adds it to x, fused with the norm.)
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual

@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism's executor (vLLM's MultiprocExecutor): rank 0's ModelRunner, in the engine's
 process, and the worker processes of ranks 1..N-1 (N = P x T), each with a ModelRunner of its own. It is the core's
-Executor (engine/executor.py) with each call sent to every rank, plugged in through the executor_class seam.
+Executor (engine/model_runner.py) with each call sent to every rank, plugged in through the executor_class seam.
 
 With tensor parallelism every rank holds 1/T of each layer, and a stage's ranks meet in the collectives inside the
 forward (torch.distributed: gloo on CPU, NCCL on CUDA); with pipeline parallelism each stage holds 1/P of the layers
@@ -24,9 +24,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.config import Config
-from nanoserve.engine.executor import Executor
 from nanoserve.engine.input_batch import ModelInput
-from nanoserve.engine.model_runner import ModelRunner
+from nanoserve.engine.model_runner import Executor, ModelRunner
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.parallel.pipeline import PipelineStageModel, receive_logits

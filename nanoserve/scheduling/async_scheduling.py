@@ -110,8 +110,7 @@ class BatchQueueEngineCore(EngineCore):
             return
         prev_rows, prev_tokens = prev
         # A placeholder the previous step has no token for: that step failed, and so did the request.
-        rows = [(row, prev_rows[i]) for row, i in zip(inputs.placeholder_rows, inputs.placeholder_seq_ids)
-                if i in prev_rows]
+        rows = [(row, prev_rows[i]) for row, i in inputs.extras.get("placeholders", []) if i in prev_rows]
         if rows:
             dst, src = (torch.tensor(x, device=inputs.input_ids.device) for x in zip(*rows))
             inputs.input_ids[dst] = prev_tokens[src]

@@ -3,7 +3,7 @@ in host memory instead of being dropped, and copied back when there is room, so 
 instead of prefilling again.
 
 The host pool has its own BlockManager (the same books: ref counts, so blocks a request's sequences share move
-once and stay shared) over a tensor each rank's ModelRunner allocates (kv_pools["swap_space"]). SwapScheduler is the
+once and stay shared) over a tensor each rank allocates (host_kv_pool.py: kv_pools["swap_space"]). SwapScheduler is the
 core's Scheduler with a third queue, `swapped`: a request whose KV the host pool cannot take recomputes as in the
 core; swapped requests come back before any new prompt is admitted (V0's _schedule_swapped).
 """
@@ -12,6 +12,7 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
+from nanoserve.host_kv_pool import allocate_host_pool, copy_host_blocks
 
 
 def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
@@ -102,14 +103,14 @@ def move_swapped_kv(out: SchedulerOutput, executor, way: str) -> None:
     mapping, src, dst = (out.blocks_to_swap_out, "device", "swap_space") if way == "out" else \
         (out.blocks_to_swap_in, "swap_space", "device")
     if mapping:
-        executor.call("copy_blocks", mapping, src, dst)
+        executor.call("apply", copy_host_blocks, mapping, src, dst)
 
 
 def plug_in(engine: EngineCore) -> None:
     """Every rank allocates its host pool (swap_space GiB); the scheduler (a SwapScheduler, chapters.py) keeps
     its books; the step's copies run at the move_kv seam."""
     config = engine.config
-    num_blocks = engine.executor.call("allocate_host_pool", "swap_space", config.swap_space)
+    num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space", config.swap_space)
     pool = engine.seams.block_manager_class or BlockManager  # (the same class as the device pool's)
     engine.scheduler.host_block_manager = pool(num_blocks, config.block_size, enable_prefix_caching=False)
     engine.seams.move_kv.append(move_swapped_kv)

@@ -20,6 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import Response as HTTPResponse
 from fastapi.responses import StreamingResponse
 
+from nanoserve import kv_transfer
 from nanoserve.llm import prompt_token_ids
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
@@ -71,7 +72,7 @@ def sampling_params(request: SamplingRequest, max_tokens: int | None, room: int,
                           ignore_eos=request.ignore_eos, stop_token_ids=request.stop_token_ids or [],
                           stop=request.stop, include_stop_str_in_output=request.include_stop_str_in_output,
                           seed=request.seed, output_kind=RequestOutputKind.DELTA,
-                          structured_outputs=structured_outputs)
+                          structured_outputs=structured_outputs, kv_transfer_params=request.kv_transfer_params)
 
 
 def as_api_error(e: ValueError, request: SamplingRequest) -> APIError:
@@ -194,6 +195,8 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
             return stream_chunks(outputs, header, chat, len(prompts) * request.n, request.n, logprobs, include_usage,
                                  echo, ToolCallStream.of(request, tool_call_parser))
         response = await cancel_on_disconnect(collect(outputs, header, chat, request.n, logprobs, echo), raw)
+        if isinstance(response, Response):  # a prefill instance tells where its KV is (serving/proxy.py)
+            response.kv_transfer_params = kv_transfer.remote_prefill_params(core, request.kv_transfer_params)
         if chat and isinstance(response, Response):
             return with_tool_calls(response, request, tool_call_parser)
         return response

@@ -21,6 +21,8 @@ from nanoserve import AsyncLLM
 from nanoserve.config import Config
 from nanoserve.serving.app import build_app
 from nanoserve.serving.lora import LoRAModulePath, parse_lora_module
+from nanoserve.serving.proxy import add_proxy_flags
+from nanoserve.serving.proxy import run as run_proxy
 from nanoserve.serving.structured import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoserve.serving")
@@ -144,13 +146,18 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `nanoserve` console script: `nanoserve serve [MODEL] [flags]`."""
+    """The `nanoserve` console script: `nanoserve serve [MODEL] [flags]`, `nanoserve proxy --prefill A --decode B`."""
     parser = argparse.ArgumentParser(prog="nanoserve", description="nanoserve: a small, readable LLM engine")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                                        description=__doc__.split("\n\n")[0])
     add_serve_flags(serve_parser)
+    proxy_parser = commands.add_parser("proxy", help="put one address in front of a prefill and a decode instance",
+                                       description="disaggregated prefill's proxy (nanoserve/serving/proxy.py)")
+    add_proxy_flags(proxy_parser)
     args = parser.parse_args(argv)
+    if args.command == "proxy":
+        return run_proxy(args)
     run(args, serve_parser)
 
 

@@ -90,7 +90,17 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
     return dict(blocks=blocks, num_blocks=pool.num_blocks, host_blocks=host_blocks,
                 num_host_blocks=host.num_blocks if host else 0, requests=requests,
                 queue_lengths={name: len(queue) for name, queue in queues.items()}, stats=asdict(scheduler.stats),
-                host_tier=host_tier)
+                host_tier=host_tier, kv_transfer=kv_transfer_json(core))
+
+
+def kv_transfer_json(core) -> dict | None:
+    """Disaggregated prefill's counters (kv_transfer/): blocks sent, or received; None on an engine without it."""
+    connector = core.seams.features.get("kv_transfer")
+    if connector is None:
+        return None
+    error = connector.pipe.error
+    return dict(kv_role=connector.config.kv_role, num_sent_blocks=connector.pipe.num_sent_blocks,
+                **asdict(connector.stats), error=None if error is None else str(error))
 
 
 class StepStream:

@@ -52,6 +52,9 @@ class SamplingRequest(RequestModel):
     response_format: dict | None = None  # {"type": "json_object"} or {"type": "json_schema", "json_schema": {...}}
     structured_outputs: dict | None = None  # vLLM's: {"json" | "json_object" | "regex" | "choice" | "grammar": ...}
     user: str | None = None  # accepted and ignored, as OpenAI does for logging
+    # Disaggregated prefill (serving/proxy.py), vLLM's: {"do_remote_decode": true} on the prefill instance, then
+    # what it answered ({"do_remote_prefill": true, ...}) on the decode instance
+    kv_transfer_params: dict | None = None
     # vLLM's beam search extension (nanoserve/serving/beam.py): beam width best_of, else n; the n best returned
     use_beam_search: bool = False
     best_of: StrictInt | None = None  # only with use_beam_search (or equal to n)
@@ -220,6 +223,7 @@ class Response(BaseModel):
     model: str
     choices: list[CompletionChoice] | list[ChatChoice] | list[ChatChunkChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict | None = None  # a prefill instance's answer: where the decode instance finds the KV
 
 
 # ---- errors -----------------------------------------------------------------------------------
