@@ -199,3 +199,9 @@ def test_the_trace_shows_the_blocks_freed_behind_the_window(models):
     steps = [after - before for before, after in zip(totals, totals[1:]) if after > before]
     lines = [line for line in format_trace(llm.trace).splitlines() if "freed behind window" in line]
     assert [int(line.split(" freed behind window")[0].split()[-1]) for line in lines] == steps
+
+
+def test_disaggregated_prefill_is_refused_with_a_window(models):
+    with pytest.raises(ValueError, match="kv_transfer_config"):
+        LLM(models["mistral"], num_kvcache_blocks=16,
+            kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_producer"})

@@ -32,4 +32,7 @@ def plug_in(config: Config, seams: Seams) -> None:
     if config.kv_offloading_size:
         raise ValueError("kv_offloading_size: the prefix cache's host tier is not built for a sliding window "
                          "(its hits would have to follow the window's rule); set kv_offloading_size=0")
+    if config.kv_transfer_config is not None:
+        raise ValueError("kv_transfer_config: disaggregated prefill moves whole prompts' blocks, not built for blocks "
+                         "freed behind a sliding window (disable_sliding_window=True runs full attention instead)")
     seams.block_manager_class = partial(SlidingWindowBlockManager, sliding_window=window)
