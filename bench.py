@@ -300,7 +300,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
         engine.add_request(str(i), ids, sp, lora_request=None if loras is None else loras[i])
     first_token, finish, token_ids, cached = {}, {}, [[] for _ in prompts], [0] * len(prompts)
     while engine.has_unfinished_requests():
-        outputs = engine.step_fn()
+        outputs = engine.step()
         now = perf_counter()
         for out in outputs:
             i = int(out.request_id)
@@ -741,7 +741,7 @@ def run_multi_turn(path: str, args, conversations: list[list[list[int]]], output
             engine.add_request(f"{i}.{turn}", prompt, SamplingParams(temperature=0, ignore_eos=True,
                                                                      max_tokens=output_lens[i][turn]))
             while engine.has_unfinished_requests():
-                for out in engine.step_fn():
+                for out in engine.step():
                     if not tokens:
                         ttft.append(perf_counter() - sent)
                     tokens += out.new_token_ids

@@ -62,13 +62,13 @@ def main() -> None:
             engine.add_request(str(i), [(i * 7 + j) % 1000 + 10 for j in range(args.prompt_len)], greedy)
         while any(seq.num_computed_tokens < args.prompt_len for seq in engine.scheduler.running) or \
                 engine.scheduler.waiting:  # prefill everything first: only decode steps are profiled
-            engine.step_fn()
+            engine.step()
         for _ in range(3):  # warm-up decodes (Triton compiles each kernel variant once)
-            engine.step_fn()
+            engine.step()
         activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
         with profile(activities=activities) as prof:
             for _ in range(args.steps):
-                engine.step_fn()
+                engine.step()
             if cuda:
                 torch.cuda.synchronize()
     # Each kernel's own time (a CPU op's device time would count its kernels a second time)
