@@ -1,7 +1,8 @@
 """Verification of draft tokens: exact on greedy rows, distribution-preserving on sampled ones, reproducible."""
 import torch
 
-from nanoserve.layers.sampler import Sampler, SamplingMetadata
+from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampling_metadata import SamplingMetadata
 from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID, RejectionSampler
 
 V = 8

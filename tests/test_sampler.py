@@ -1,7 +1,8 @@
 """Sampler unit tests on hand-made logits."""
 import torch
 
-from nanoserve.layers.sampler import Sampler, SamplingMetadata
+from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampling_metadata import SamplingMetadata
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 N = 2000  # draws: one row per draw, in one call

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.layers.sampler import Sampler, SamplingMetadata
+from nanoserve.layers.sampler import Sampler
+from nanoserve.layers.sampling_metadata import SamplingMetadata
 from nanoserve.structured_outputs import StructuredOutputsParams
 
 pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install 'nanoserve[structured]')")

@@ -12,7 +12,7 @@ from nanoserve.config import Config
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
-from nanoserve.layers.sampler import LogitsProcessor, PenaltyMetadata, SamplingMetadata
+from nanoserve.layers.sampling_metadata import LogitsProcessor, PenaltyMetadata, SamplingMetadata
 
 # The sampling parameters a row may set, each with the value that means "unused": a column no row uses is None.
 PARAMS = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "min_p": 0.0, "presence_penalty": 0.0,

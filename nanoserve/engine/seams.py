@@ -13,7 +13,7 @@ from typing import Protocol
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
-from nanoserve.layers.sampler import LogitsProcessor
+from nanoserve.layers.sampling_metadata import LogitsProcessor
 
 # (the step's plan, each sequence that got tokens -> how many) -> outputs of the requests the hook finished
 AfterStep = Callable[[SchedulerOutput, dict[Sequence, int]], list[EngineCoreOutput]]

@@ -1,48 +1,12 @@
 """Which token comes next, from a row of logits to a token id, in vLLM's order: tokens ruled out, penalties, then
 greedy where temperature is 0, else temperature, min_p, top-k, top-p and a draw, each one tensor op over the batch.
-The engine builds the SamplingMetadata on the host (engine/input_batch.py). At the seams (engine/seams.py) logits
-processors join `rule_out` (a grammar's mask), and speculative decoding's verification takes the place of `draw`."""
-from dataclasses import dataclass, field
-from typing import Any, Protocol
-
+The engine builds the SamplingMetadata (layers/sampling_metadata.py) on the host (engine/input_batch.py). At the
+seams (engine/seams.py) logits processors join `rule_out` (a grammar's mask), and speculative decoding's
+verification takes the place of `draw`."""
 import torch
 from torch import nn
 
-
-@dataclass
-class PenaltyMetadata:
-    """The token ids of each row's prompt and output, padded with vocab_size, and each row's penalties."""
-
-    prompt_token_ids: torch.Tensor
-    output_token_ids: torch.Tensor  # -1: the newest token, unknown when the step was planned (async scheduling)
-    presence_penalties: torch.Tensor
-    frequency_penalties: torch.Tensor
-    repetition_penalties: torch.Tensor
-
-
-class LogitsProcessor(Protocol):
-    """A seam (engine/seams.py): a feature that rules tokens out of the rows the sampler draws from. Once per step,
-    on the host, `prepare` gets the sampling rows ((sequence, j): its next token after j lookahead tokens) and
-    returns its state for them, or None when no row is its; the sampler then calls `apply` in order."""
-
-    def prepare(self, rows: list[tuple[Any, int]]) -> Any | None: ...
-
-    def apply(self, logits: torch.Tensor, state: Any) -> torch.Tensor: ...
-
-
-@dataclass
-class SamplingMetadata:
-    """One row per sequence that samples. None for an option: no row uses it (temperatures None: every row is
-    greedy). The engine knows that on the host, so the sampler never waits for the GPU to find it out."""
-
-    temperatures: torch.Tensor | None
-    top_ks: torch.Tensor | None
-    top_ps: torch.Tensor | None
-    min_ps: torch.Tensor | None
-    generators: list[torch.Generator | None]  # a seeded request draws its own reproducible noise
-    penalties: PenaltyMetadata | None = None
-    min_tokens_mask: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, token ids): EOS, stop tokens
-    logits_processors: list[tuple[LogitsProcessor, Any]] = field(default_factory=list)  # (processor, its state)
+from nanoserve.layers.sampling_metadata import PenaltyMetadata, SamplingMetadata
 
 
 class Sampler(nn.Module):
