@@ -3,7 +3,9 @@
 
 A leaf module (no torch), like speculative_config.py, so that config.py can import it.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from nanoserve.utils.records import record_from_dict
 
 CONNECTORS = ("P2pConnector",)  # nanoserve/kv_transfer/: KV blocks over torch.distributed point-to-point
 ROLES = ("kv_producer", "kv_consumer")
@@ -27,15 +29,7 @@ class KVTransferConfig:
     @classmethod
     def from_dict(cls, options: "dict | KVTransferConfig") -> "KVTransferConfig":
         """What `LLM(..., kv_transfer_config=...)` and `--kv-transfer-config JSON` receive."""
-        if isinstance(options, cls):
-            return options
-        if not isinstance(options, dict):
-            raise ValueError(f"kv_transfer_config must be a dict or a KVTransferConfig, got {type(options).__name__}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ValueError(f"kv_transfer_config: unknown key(s) {unknown}; the keys are {known}")
-        return cls(**options)
+        return record_from_dict(cls, options, "kv_transfer_config")
 
     def __post_init__(self) -> None:
         if self.kv_connector not in CONNECTORS:

@@ -2,7 +2,9 @@
 
 A leaf module (no torch, no transformers), like sampling_params.py, so that config.py can import it.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
+
+from nanoserve.utils.records import record_from_dict
 
 METHODS = ("ngram", "draft_model")
 # Most draft tokens verified per request per step (vLLM's rejection sampler has the same cap): a step computes
@@ -34,15 +36,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, options: "dict | SpeculativeConfig") -> "SpeculativeConfig":
         """What `LLM(..., speculative_config=...)` and `--speculative-config JSON` receive."""
-        if isinstance(options, cls):
-            return options
-        if not isinstance(options, dict):
-            raise ValueError(f"speculative_config must be a dict, got {type(options).__name__}")
-        known = [f.name for f in fields(cls)]
-        unknown = sorted(set(options) - set(known))
-        if unknown:
-            raise ValueError(f"speculative_config: unknown key(s) {unknown}; the keys are {known}")
-        return cls(**options)
+        return record_from_dict(cls, options, "speculative_config")
 
     def __post_init__(self) -> None:
         if self.method is None and self.model is not None:
