@@ -46,6 +46,17 @@ def build_engine(config: Config) -> EngineCore:
     if config.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
         from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
     engine = engine_class(config, seams)
+    try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
+        plug_in_chapters(engine)
+    except BaseException:
+        engine.shutdown()
+        raise
+    return engine
+
+
+def plug_in_chapters(engine: EngineCore) -> None:
+    """The chapters the config asks for, once the engine is built, and those a request may ask for."""
+    config, seams = engine.config, engine.seams
     if config.preemption_mode == "swap":  # the swap pool in host memory: scheduling/swap.py
         from nanoserve.scheduling.swap import plug_in as plug_in_swap
 
@@ -76,7 +87,6 @@ def build_engine(config: Config) -> EngineCore:
     for name in ("logprobs", "prompt_logprobs"):  # logprobs.py: plugged in with the first request that asks
         seams.request_checks[name] = partial(check_num_logprobs, name, config.hf_config.vocab_size)
         seams.request_options[name] = lambda request: logprobs_feature(weak)
-    return engine
 
 
 def check_num_logprobs(name: str, vocab_size: int, k: int) -> None:

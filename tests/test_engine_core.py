@@ -128,3 +128,15 @@ def test_plugged_in_features_hold_no_reference_back_to_the_engine(tiny_models):
         assert engine() is None
     finally:
         gc.enable()
+
+
+def test_a_chapter_that_cannot_plug_in_shuts_the_engine_down(tiny_models, monkeypatch):
+    """The swap pool too small for one block fails after the engine is built: build_engine ends its executor (a
+    tensor-parallel engine's workers and process group) at once, instead of leaving that to the garbage collector."""
+    from nanoserve.engine.model_runner import Executor
+
+    shut = []
+    monkeypatch.setattr(Executor, "shutdown", lambda self: shut.append(self))
+    with pytest.raises(ValueError, match="swap_space .* too small for one KV block"):
+        LLM(tiny_models["qwen3"], **OPTIONS, preemption_mode="swap", swap_space=1e-9)
+    assert len(shut) == 1
