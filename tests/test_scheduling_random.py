@@ -124,9 +124,10 @@ def check_books(scheduler: Scheduler) -> None:
     assert len(scheduler.running) <= scheduler.max_num_seqs
 
 
-def run_case(model: str, seed: int, prefix_caching: bool) -> None:
-    rng = random.Random(seed)
-    config, requests, scheduler = random_case(rng, model, prefix_caching)
+def drive(config, requests: list, scheduler: Scheduler, write_and_check, check_books) -> None:
+    """Step scheduler through requests (arrival step, first sequence) with fake sampled tokens, moving and writing
+    the stand-in KV (write_and_check(kv, out)) and checking the books (check_books()) after every step; every
+    sequence must end with the tokens an unconstrained run gives it."""
     seqs = [seq for _, first in requests for seq in first.group]
     expected = [unconstrained(seq.token_ids, seq.sampling_params, seq.index) for seq in seqs]
     kv: dict = {}
@@ -141,15 +142,20 @@ def run_case(model: str, seed: int, prefix_caching: bool) -> None:
         out = scheduler.schedule()
         check_step(out, config)
         move_kv(kv, host_kv, out, config.block_size)
-        write_and_check_kv(kv, out, config.block_size)
+        write_and_check(kv, out)
         scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
                                     zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
-        check_books(scheduler)
+        check_books()
     else:
         pytest.fail("requests still unfinished after 10000 steps")
     assert all(seq.is_finished for seq in seqs)
     assert [seq.completion_token_ids for seq in seqs] == expected
-    check_books(scheduler)  # with nobody left, every block is free
+
+
+def run_case(model: str, seed: int, prefix_caching: bool) -> None:
+    config, requests, scheduler = random_case(random.Random(seed), model, prefix_caching)
+    drive(config, requests, scheduler, lambda kv, out: write_and_check_kv(kv, out, config.block_size),
+          lambda: check_books(scheduler))  # at the end, with nobody left, every block is free
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 import pytest
-from test_scheduling_random import check_step, move_kv, next_token, random_config, unconstrained
+from test_scheduling_random import drive, random_config
 
 from conftest import make_scheduler
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -140,30 +140,9 @@ def check_books(scheduler: Scheduler, window: int) -> None:
 
 
 def run_case(model: str, seed: int, prefix_caching: bool) -> None:
-    rng = random.Random(seed)
-    config, window, requests, scheduler = random_case(rng, model, prefix_caching)
-    seqs = [seq for _, first in requests for seq in first.group]
-    expected = [unconstrained(seq.token_ids, seq.sampling_params, seq.index) for seq in seqs]
-    kv: dict = {}
-    host_kv: dict = {}
-    for t in range(10_000):
-        while requests and requests[0][0] <= t:
-            scheduler.add(requests.pop(0)[1])
-        if scheduler.is_finished():
-            if not requests:
-                break
-            continue
-        out = scheduler.schedule()
-        check_step(out, config)
-        move_kv(kv, host_kv, out, config.block_size)
-        write_and_check_kv(kv, out, config.block_size, window)
-        scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
-                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
-        check_books(scheduler, window)
-    else:
-        pytest.fail("requests still unfinished after 10000 steps")
-    assert [seq.completion_token_ids for seq in seqs] == expected
-    check_books(scheduler, window)
+    config, window, requests, scheduler = random_case(random.Random(seed), model, prefix_caching)
+    drive(config, requests, scheduler, lambda kv, out: write_and_check_kv(kv, out, config.block_size, window),
+          lambda: check_books(scheduler, window))
     bm = scheduler.block_manager
     assert bm.num_free_blocks == bm.num_blocks  # with nobody left, every block is free
 
