@@ -81,7 +81,7 @@ def run_worker(config: Config, rank: int, conn: Connection) -> None:
     os._exit(0)  # skip the interpreter's teardown (seconds, with torch loaded): nothing is left to do
 
 
-def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int,
+def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int, reaping: threading.Lock,
              closing: threading.Event | None = None) -> None:
     """Say goodbye on every pipe (each worker leaves its loop), wait a little, kill what is left, leave the group."""
     if closing is not None:  # torchrun: the watch on the workers' connections stands down
@@ -92,11 +92,12 @@ def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int,
         except OSError:  # that worker is gone already
             pass
         conn.close()
-    for proc in procs:
-        proc.join(timeout=5)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
+    with reaping:
+        for proc in procs:
+            proc.join(timeout=5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
     destroy_stage_groups()
     torch.set_num_threads(num_threads)  # as before init_process_group
 
@@ -114,6 +115,9 @@ class MultiprocExecutor(Executor):
         # it ends with the Executor (a dead engine's next step then fails in its launch, saying why).
         self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if config.pipeline_parallel_size > 1 else None
         self.failed: str | None = None  # why this engine cannot run any more, once a step has failed
+        # With pipeline stages the launch thread and the logits thread may both see a dead worker and stop the rest:
+        # one reaps at a time (a second waitpid on the same pid gets ECHILD, and the exit code would read None).
+        self.reaping = threading.Lock()
         try:
             if launched_by_torchrun():
                 self._join_torchrun(config)
@@ -136,7 +140,7 @@ class MultiprocExecutor(Executor):
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         # On `del llm`, garbage collection, interpreter exit or a failed start or step; it holds no reference to self.
-        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads())
+        self.shutdown = weakref.finalize(self, shutdown, self.procs, self.conns, torch.get_num_threads(), self.reaping)
         ctx = mp.get_context("spawn")
         for rank in range(1, world_size(config)):
             reader, writer = ctx.Pipe(duplex=False)
@@ -156,7 +160,7 @@ class MultiprocExecutor(Executor):
         if rank != 0:
             run_worker(config, rank, self.conns[0])
         closing = start_watching(self.conns)
-        self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), closing)
+        self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), self.reaping, closing)
 
     def submit(self, thread: ThreadPoolExecutor, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
         """execute_model in the background for async scheduling's batch queue, with pipeline stages; the future
@@ -202,10 +206,11 @@ class MultiprocExecutor(Executor):
     def dead_workers(self, timeout: float = 0.0) -> str | None:
         """Which worker has exited (waiting up to timeout for one), and how; None while all live."""
         ended = wait([proc.sentinel for proc in self.procs], timeout)
-        for rank, proc in enumerate(self.procs, start=1):
-            if proc.sentinel in ended:
-                proc.join()
-                return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
+        with self.reaping:
+            for rank, proc in enumerate(self.procs, start=1):
+                if proc.sentinel in ended:
+                    proc.join()
+                    return f"worker rank {rank} (pid {proc.pid}) exited with code {proc.exitcode}"
         return None
 
     def check(self, timeout: float = 0.0) -> None:
