@@ -29,6 +29,7 @@ OPTIONS = {  # name: (LLM options, whether the second pass must hit the prefix c
     "async-scheduling": (dict(async_scheduling=True), True),
     "preemption": (dict(num_kvcache_blocks=8), False),
     "swap": (dict(num_kvcache_blocks=8, preemption_mode="swap", swap_space=0.01), False),
+    "host-tier": (dict(num_kvcache_blocks=16, kv_offloading_size=0.01), False),  # copies on a side stream
     "pool-from-memory": (dict(num_kvcache_blocks=None, gpu_memory_utilization=0.03), True),
 }
 
@@ -104,3 +105,22 @@ def test_sampling_options_equal_the_cpu_engine(tiny_models):
                         [*b.prompt_logprobs[1:], *b.outputs[0].logprobs]):
             assert x.keys() == y.keys()
             assert all(abs(x[i].logprob - y[i].logprob) < 1e-4 for i in x)
+
+
+def test_host_pool_copies_run_on_a_side_stream_without_synchronizing(tiny_models):
+    """The host tier's copies (host_kv_pool.py) out to its page-locked, block-first pool and back: no copy makes
+    the host wait (CUDA's sync debug mode raises on one that does), and the compute stream's next work sees them."""
+    from nanoserve.host_kv_pool import copy_host_blocks
+
+    llm = LLM(tiny_models["qwen3"], dtype="float32", kv_offloading_size=0.01, **POOL)
+    runner = llm.engine.model_runner
+    runner.kv_cache.normal_()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        copy_host_blocks(runner, [(3, 0), (7, 1)], "device", "kv_offloading_size")
+        copy_host_blocks(runner, [(0, 10), (1, 11)], "kv_offloading_size", "device")
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(runner.kv_cache[:, :, a], runner.kv_cache[:, :, b]) for a, b in ((3, 10), (7, 11)))
+    assert torch.equal(runner.kv_pools["kv_offloading_size"][1], runner.kv_cache[:, :, 7].cpu())

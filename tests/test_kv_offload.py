@@ -117,6 +117,22 @@ def test_off_plugs_nothing_in(tiny_models):
     assert llm.engine.seams.kv_cache_tier is None and not llm.engine.model_runner.kv_pools
 
 
+def test_host_pool_is_block_first_and_copies_round_trip(tiny_models):
+    """A host pool holds a block's KV, K and V of every layer, in one piece (pool[i]); copies out and back in
+    bring the device blocks' KV back exactly."""
+    from nanoserve.host_kv_pool import copy_host_blocks
+
+    runner = tight_llm(tiny_models["qwen3"], True).engine.model_runner
+    pool = runner.kv_pools["kv_offloading_size"]
+    assert pool.shape == (64, *runner.kv_cache.shape[:2], *runner.kv_cache.shape[3:]) and pool.is_contiguous()
+    runner.kv_cache.normal_()
+    copy_host_blocks(runner, [(3, 5), (7, 0)], "device", "kv_offloading_size")
+    assert pool[5].equal(runner.kv_cache[:, :, 3]) and pool[0].equal(runner.kv_cache[:, :, 7])
+    copy_host_blocks(runner, [(5, 12), (0, 13)], "kv_offloading_size", "device")
+    assert runner.kv_cache[:, :, 12].equal(runner.kv_cache[:, :, 3])
+    assert runner.kv_cache[:, :, 13].equal(runner.kv_cache[:, :, 7])
+
+
 def test_stats_trace_and_metrics_agree(tiny_models):
     """llm.stats, the step records (trace=True) and /metrics' collector count the same copies and hits."""
     from nanoserve.serving.metrics import EngineCollector

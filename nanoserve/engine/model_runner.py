@@ -80,10 +80,10 @@ class ModelRunner:
     def copy_blocks(self, mapping: list[tuple[int, int]], src: torch.Tensor | None = None,
                     dst: torch.Tensor | None = None) -> None:
         """Copy KV blocks (source, destination) within the KV cache (copy-on-write), or from or to a chapter's
-        host pool (src, dst: nanoserve/host_kv_pool.py)."""
-        src_ids, dst_ids = zip(*mapping)
-        src, dst = (self.kv_cache if pool is None else pool for pool in (src, dst))
-        dst[:, :, list(dst_ids)] = src[:, :, list(src_ids)].to(dst.device)
+        host pool (src, dst: nanoserve/host_kv_pool.py), which is block first: pool[i] is a block's KV."""
+        src, dst = (self.kv_cache.movedim(2, 0) if pool is None else pool for pool in (src, dst))
+        for src_id, dst_id in mapping:
+            dst[dst_id].copy_(src[src_id], non_blocking=True)  # (to or from a pinned pool: the host goes on)
 
     # ---- one step: forward (every rank), sampling (rank 0) ---------------------------------------
     @torch.inference_mode()
