@@ -13,6 +13,7 @@ Each phase in wall time and in the thread's CPU time: on a shared machine the CP
 
     python benchmarks/host_step.py                       # 256 sequences, 20 warm-up and 200 timed decode steps
     python benchmarks/host_step.py --num-seqs 64 --steps 100 --temperature 0.8
+    python benchmarks/host_step.py --persistent-batch    # the inputs as on CUDA: nanoserve/persistent_batch.py
 """
 import argparse
 import random
@@ -32,6 +33,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config  # noqa: E402
 
 from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve.persistent_batch import InputBatch  # noqa: E402
 from nanoserve.utils.default_model import resolve_model  # noqa: E402
 
 PHASES = ("schedule", "inputs", "fake forward", "outputs")
@@ -61,8 +63,8 @@ def timed(times: dict[str, list[tuple[float, float]]], phase: str, fn):
     return wrapper
 
 
-def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: int = 0
-            ) -> dict[str, list[tuple[float, float]]]:
+def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persistent_batch: bool = False,
+            seed: int = 0) -> dict[str, list[tuple[float, float]]]:
     """(wall, CPU) seconds per decode step and phase: prompts of 32-512 random tokens (bench.py's default workload) are
     prefilled first (untimed), then every step decodes num_seqs sequences, one token each."""
     rng = random.Random(seed)
@@ -72,6 +74,8 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, seed: in
         llm = LLM(tmp, device="cpu", max_num_seqs=num_seqs, max_model_len=max_len, attention_backend="torch",
                   num_kvcache_blocks=num_seqs * (max_len // 16 + 2))
     engine = llm.engine
+    if persistent_batch:  # the input_batch seam, as chapters.build_engine plugs it in on CUDA
+        engine.input_builder.input_batch = InputBatch(engine.config.block_size).flatten
     vocab = engine.config.hf_config.vocab_size
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,
                             max_tokens=warmup + steps + 8)
@@ -112,12 +116,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else with top_p=0.95")
+    p.add_argument("--persistent-batch", action="store_true",
+                   help="build the inputs with the persistent batch, as on CUDA (default: the core's loops)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the host work is single-threaded)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature)
+    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature, args.persistent_batch)
+    inputs = "the persistent batch" if args.persistent_batch else "the core's loops"
     print(f"host time per decode step, {args.num_seqs} sequences, {args.steps} steps, forward excluded "
-          f"(temperature {args.temperature}):")
+          f"(temperature {args.temperature}, inputs from {inputs}):")
     print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'CPU median':>11s} {'CPU p90':>9s}")
     for phase in (*PHASES, "step"):
         line = f"  {phase:14s}"

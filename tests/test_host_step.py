@@ -3,13 +3,16 @@ every sequence, and the phases it reports add up to the step."""
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import host_step  # noqa: E402
 
 
-def test_host_step_times_each_decode_step_by_phase():
-    times = host_step.measure(num_seqs=4, steps=3, warmup=1, temperature=0.8)
+@pytest.mark.parametrize("persistent_batch", [False, True])
+def test_host_step_times_each_decode_step_by_phase(persistent_batch):
+    times = host_step.measure(num_seqs=4, steps=3, warmup=1, temperature=0.8, persistent_batch=persistent_batch)
     assert {phase: len(t) for phase, t in times.items()} == {phase: 3 for phase in (*host_step.PHASES, "step")}
     for i, step in enumerate(times["step"]):
         for kind in range(2):  # wall, CPU

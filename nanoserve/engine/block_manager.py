@@ -130,14 +130,14 @@ class BlockManager:
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         """Reserve slots for this step's tokens (once num_new_blocks fit); returns the copy-on-write pair, if any."""
-        copies = []
-        if self.num_new_blocks(seq) > seq.num_blocks - len(seq.block_table):
+        copies, num_missing = [], seq.num_blocks - len(seq.block_table)
+        if self.num_new_blocks(seq) > num_missing:
             # Copy-on-write: a forked sibling shares the last block and must not see these tokens.
             src = seq.block_table[-1]
             self.free([src])
             seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self.allocate_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+        seq.block_table += [self.allocate_block() for _ in range(num_missing)]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

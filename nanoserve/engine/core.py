@@ -116,7 +116,7 @@ class EngineCore:
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token it got
         outputs += [output for after_step in self.seams.after_step for output in after_step(out, updated)]
         outputs += [self._output(self.requests[seq.request_id], seq, n) for seq, n in updated.items()]
-        for request_id in {output.request_id for output in outputs}:
+        for request_id in {output.request_id for output in outputs if output.finished}:  # (a sequence just ended)
             if request_id in self.requests and self.requests[request_id].is_finished:
                 del self.requests[request_id]
         for observe in self.seams.observers:
@@ -128,22 +128,22 @@ class EngineCore:
         text finishes seq there, and the tokens after it are dropped."""
         start, token_id, params = len(seq.token_ids) - num_new, seq.token_ids[-1], request.sampling_params
         stop_reason = token_id if seq.finish_reason == "stop" and token_id in params.stop_token_ids else None
-        detokenizer, new_text = request.detokenizers[seq.index], ""
+        detokenizer, new_text, finished = request.detokenizers[seq.index], "", seq.is_finished
         if detokenizer is not None:
             for i, token_id in enumerate(seq.token_ids[start:], start + 1):
-                stop = detokenizer.update(token_id, seq.is_finished and i == len(seq.token_ids))
+                stop = detokenizer.update(token_id, finished and i == len(seq.token_ids))
                 if stop is not None:
                     del seq.token_ids[i:]
                     self.scheduler.finish(seq)
-                    seq.finish_reason, stop_reason = "stop", stop
+                    seq.finish_reason, stop_reason, finished = "stop", stop, True
                     break
-            new_text = detokenizer.get_delta(seq.is_finished)
+            new_text = detokenizer.get_delta(finished)
         # (logprobs.py wrote the tokens' logprobs when they were sampled; a later step may be ahead.)
         first = start - seq.num_prompt_tokens
         logprobs = None if seq.logprobs is None else seq.logprobs[first : seq.num_completion_tokens]
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=seq.token_ids[start:], new_text=new_text,
-            finished=seq.is_finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
+            finished=finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
             num_cached_tokens=request.first_seq.num_cached_tokens, new_logprobs=logprobs,
             prompt_logprobs=request.first_seq.prompt_logprobs, index=seq.index)
 

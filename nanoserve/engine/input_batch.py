@@ -88,7 +88,7 @@ class InputBuilder:
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens, one per fork.
         rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
                 if do_sample and not seq.raw_logits
-                for s, j in [*((seq, j) for j in range(len(seq.spec_token_ids) + 1)), *((f, 0) for f in forks)]]
+                for s, j in [(seq, j) for j in range(len(seq.spec_token_ids) + 1)] + [(f, 0) for f in forks]]
         for name, extra_rows in self.extra_logits_rows.items():  # the seam: the prompt logprobs', the beams' rows
             more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
             step.logits_rows += more
@@ -99,15 +99,14 @@ class InputBuilder:
             spec_decode_tokens=out.scheduled_spec_decode_tokens, extras=step.extras)
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
-        """The step's host arrays, one token at a time: its id, position and cache slot."""
+        """The step's host arrays: each scheduled token's id, position and cache slot, sequence by sequence."""
         step, bs = StepArrays(), self.block_size
         for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
-            tokens = seq.token_ids + seq.spec_token_ids  # lookahead tokens follow the newest (speculative decoding)
-            for p in range(start, start + num_tokens):
-                step.input_ids.append(tokens[p])
-                step.positions.append(p)
-                step.slot_mapping.append(seq.block_table[p // bs] * bs + p % bs)
+            # (Lookahead tokens follow the newest, speculative decoding; slices, not copies of whole sequences.)
+            step.input_ids += (seq.token_ids[start:] + seq.spec_token_ids)[:num_tokens]
+            step.positions += range(start, start + num_tokens)
+            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
             step.block_tables.append(seq.block_table)
             step.q_lens.append(num_tokens)
             step.context_lens.append(start + num_tokens)
@@ -131,8 +130,11 @@ class InputBuilder:
     def prepare_sampling(self, rows: list[SamplingRow], params: dict[str, list] | None = None) -> SamplingMetadata:
         """The sampler's inputs, an option no row uses None. Row (seq, j) counts seq's first j lookahead tokens as
         output already (penalties, min_tokens)."""
-        if params is None:
-            params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows] for name in PARAMS}
+        if params is None:  # read row by row only what some row sets: most steps share one SamplingParams
+            distinct = {id(seq.sampling_params): seq.sampling_params for seq, _ in rows}.values()
+            params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows]
+                      if any(getattr(p, name) != unused for p in distinct) else [unused] * len(rows)
+                      for name, unused in PARAMS.items()}
         used = {name for name, unused in PARAMS.items() if (np.asarray(params[name]) != unused).any()}
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor | None:

@@ -1,5 +1,7 @@
 """The scheduler: who runs each step. nano-vllm's policy (prefill first, then decode, LIFO preemption by recompute)
 with vLLM V1's token budget (enable_chunked_prefill); swap and priority (nanoserve/scheduling/) subclass it."""
+from itertools import islice
+
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler_output import SchedulerOutput
@@ -134,7 +136,7 @@ class Scheduler:
                                                             out.num_scheduled_tokens, out.do_sample, out.forks):
             lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
             num_drawn = 0 if seq.raw_logits else do_sample + len(forks) + len(lookahead)
-            new_token_ids = [next(sampled) for _ in range(num_drawn)]
+            new_token_ids = list(islice(sampled, num_drawn))
             if seq.is_finished:
                 continue
             if seq.status == SequenceStatus.RUNNING and not lookahead:  # (a preempted one lost these blocks)

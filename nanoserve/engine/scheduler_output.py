@@ -34,12 +34,13 @@ class SchedulerOutput:
     dropped_beams: list[int] = field(default_factory=list)  # beam search: beams without a child, freed
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
+        end = seq.num_computed_tokens + num_tokens
         self.seqs.append(seq)
         self.num_scheduled_tokens.append(num_tokens)
         self.num_computed_tokens.append(seq.num_computed_tokens)
-        self.do_sample.append(seq.num_computed_tokens + num_tokens == len(seq))
+        self.do_sample.append(end == len(seq))
         # n > 1: the prompt's first token is sampled n times, and the request's other sequences fork from this one.
-        self.forks.append(seq.group[1:] if self.do_sample[-1] and len(seq) == seq.num_prompt_tokens else [])
+        self.forks.append(seq.group[1:] if self.do_sample[-1] and end == seq.num_prompt_tokens else [])
         if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
             self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
