@@ -124,20 +124,22 @@ class BlockManager:
 
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included (copy-on-write)."""
-        shared = bool(seq.block_table) and self.blocks[seq.block_table[-1]].ref_count > 1
+        return seq.num_blocks - len(seq.block_table) + self.copies_last_block(seq)
+
+    def copies_last_block(self, seq: Sequence) -> bool:
+        """Copy-on-write: seq's new tokens land in its last block, and a forked sibling shares that block."""
         lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
-        return seq.num_blocks - len(seq.block_table) + (shared and lands_in_last)
+        return lands_in_last and self.blocks[seq.block_table[-1]].ref_count > 1
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         """Reserve slots for this step's tokens (once num_new_blocks fit); returns the copy-on-write pair, if any."""
-        copies, num_missing = [], seq.num_blocks - len(seq.block_table)
-        if self.num_new_blocks(seq) > num_missing:
-            # Copy-on-write: a forked sibling shares the last block and must not see these tokens.
+        copies = []
+        if self.copies_last_block(seq):  # a forked sibling must not see these tokens: seq gets a copy of its own
             src = seq.block_table[-1]
             self.free([src])
             seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self.allocate_block() for _ in range(num_missing)]
+        seq.block_table += [self.allocate_block() for _ in range(seq.num_blocks - len(seq.block_table))]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
