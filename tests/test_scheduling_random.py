@@ -49,8 +49,9 @@ def random_config(rng: random.Random, model: str, max_model_lens: tuple[int, int
                   preemption_mode=rng.choice(["recompute", "swap"]), **options)
 
 
-def random_case(rng: random.Random, model: str, prefix_caching: bool):
-    config = random_config(rng, model, (4, 32), enable_prefix_caching=prefix_caching)
+def random_requests(rng: random.Random, config: Config) -> tuple[list[tuple[int, Sequence]], int]:
+    """1-12 requests (arrival step, first sequence) with shared prefixes, n up to 3, priorities; and the most
+    blocks one of them can need (check_request's count), for sizing a pool that is often too small for all."""
     block_size, max_model_len = config.block_size, config.max_model_len
     prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))] for _ in range(3)]
     requests = []
@@ -67,9 +68,16 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
         requests.append((rng.randint(0, 10), group[0]))
     largest = max(len(seq) // block_size + seq.sampling_params.n * -(-(len(seq) % block_size +  # as check_request
                   seq.sampling_params.max_tokens) // block_size) for _, seq in requests)
+    return sorted(requests, key=lambda r: r[0]), largest
+
+
+def random_case(rng: random.Random, model: str, prefix_caching: bool):
+    config = random_config(rng, model, (4, 32), enable_prefix_caching=prefix_caching)
+    requests, largest = random_requests(rng, config)
+    block_size = config.block_size
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, prefix_caching)  # often too small for all
     host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if config.preemption_mode == "swap" else None
-    return config, sorted(requests, key=lambda r: r[0]), make_scheduler(config, bm, host)
+    return config, requests, make_scheduler(config, bm, host)
 
 
 def check_step(out: SchedulerOutput, config: Config) -> None:

@@ -6,7 +6,7 @@ import random
 from collections import Counter
 
 import pytest
-from test_scheduling_random import drive, random_config
+from test_scheduling_random import drive, random_config, random_requests
 
 from conftest import make_scheduler
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -78,29 +78,15 @@ def test_swap_moves_only_live_blocks():
 
 def random_case(rng: random.Random, model: str, prefix_caching: bool):
     config = random_config(rng, model, (8, 48), enable_prefix_caching=prefix_caching)
-    block_size, max_model_len = config.block_size, config.max_model_len
+    block_size = config.block_size
     window = rng.randint(1, 3 * block_size + 1)
-    prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))] for _ in range(3)]
-    requests = []
-    for seq_id in range(rng.randint(1, 12)):
-        prompt = (rng.choice(prefixes) + [rng.randint(3, 9) for _ in range(rng.randint(1, 8))])[: max_model_len - 1]
-        room = max_model_len - len(prompt)
-        n = min(rng.choice([1, 1, 2, 3]), config.max_num_seqs)
-        params = SamplingParams(max_tokens=rng.randint(-(-room // 2), room), ignore_eos=rng.random() < 0.5,
-                                stop_token_ids=rng.choice([[], [3]]), n=n)
-        priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
-        group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
-        for seq in group:
-            seq.group = group
-        requests.append((rng.randint(0, 10), group[0]))
-    largest = max(len(seq) // block_size + seq.sampling_params.n * cdiv(len(seq) % block_size +  # check_request's
-                  seq.sampling_params.max_tokens, block_size) for _, seq in requests)
+    requests, largest = random_requests(rng, config)
     # Often too small for all (+1: the null block); the swap pool may have no room at all.
     bm = SlidingWindowBlockManager(rng.randint(largest, 2 * largest) + 1, block_size, prefix_caching,
                                    sliding_window=window)
     host = (SlidingWindowBlockManager(rng.randint(0, 2 * largest) + 1, block_size, False, sliding_window=window)
             if config.preemption_mode == "swap" else None)
-    return config, window, sorted(requests, key=lambda r: r[0]), make_scheduler(config, bm, host)
+    return config, window, requests, make_scheduler(config, bm, host)
 
 
 def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int, window: int) -> None:
