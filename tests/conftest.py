@@ -176,13 +176,19 @@ class Server:
     log: Path
 
 
-def start_server(args: list[str], log: Path, env: dict | None = None) -> tuple[str, subprocess.Popen]:
-    """`python -m nanoserve.serving ARGS --port P` on a free port of 127.0.0.1, its output in `log`; returns its
-    URL and process once /health answers."""
+def free_port() -> int:
+    """A port of 127.0.0.1 free now (for a server or a process group to listen on)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "nanoserve.serving", *args, "--port", str(port)]
+        return s.getsockname()[1]
+
+
+def start_server(args: list[str], log: Path, env: dict | None = None,
+                 module: str = "nanoserve.serving") -> tuple[str, subprocess.Popen]:
+    """`python -m MODULE ARGS --port P` (a server, or the disaggregated proxy) on a free port of 127.0.0.1, its
+    output in `log`; returns its URL and process once /health answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", module, *args, "--port", str(port)]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env or dict(os.environ),
                                    stdout=out, stderr=subprocess.STDOUT)

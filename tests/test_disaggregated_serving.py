@@ -3,33 +3,20 @@ proxy` in front, real processes on 127.0.0.1, driven by the `openai` client. Gre
 one offline engine's, for completions, chat and streams, with n > 1 and prefix hits; the decode instance computes
 each prompt's last token only; errors from either instance reach the client in OpenAI's shape."""
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from conftest import start_server
+from conftest import free_port, start_server
 from nanoserve import LLM, SamplingParams
 
-ROOT = Path(__file__).resolve().parent.parent
 MAX_MODEL_LEN = 512
 FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--cpu-kvcache-space", "0.25", "--shutdown-timeout", "1",
          "--uvicorn-log-level", "warning", "--served-model-name", "smollm2"]
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = SamplingParams(temperature=0, max_tokens=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def kv_flag(role: str, port: int) -> list[str]:
@@ -50,22 +37,9 @@ def pair(converted, tmp_path_factory):
         decode, p = start_server([str(converted[1]), *FLAGS, *kv_flag("kv_consumer", kv_port), "--dashboard"],
                                  logs / "decode.log")
         processes.append(p)
-        port = free_port()
-        with open(logs / "proxy.log", "w") as log:
-            processes.append(subprocess.Popen([sys.executable, "-m", "nanoserve.serving.proxy", "--prefill", prefill,
-                                               "--decode", decode, "--port", str(port), "--uvicorn-log-level",
-                                               "warning"], cwd=ROOT, env=dict(os.environ), stdout=log,
-                                              stderr=subprocess.STDOUT))
-        proxy = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{proxy}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, (logs / "proxy.log").read_text()
-            time.sleep(0.2)
+        proxy, p = start_server(["--prefill", prefill, "--decode", decode, "--uvicorn-log-level", "warning"],
+                                logs / "proxy.log", module="nanoserve.serving.proxy")
+        processes.append(p)
         yield proxy, prefill, decode, processes
     finally:
         for process in processes:

@@ -4,7 +4,6 @@ token, the consumer must compute only each prompt's last token, blocks it holds 
 failed or slow transfer must cost only the consumer's recomputing that prompt, with no block leaked."""
 import dataclasses
 import random
-import socket
 import subprocess
 import sys
 import time
@@ -13,17 +12,11 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from conftest import ROOMY_POOL, hf_greedy, random_prompts
+from conftest import ROOMY_POOL, free_port, hf_greedy, random_prompts
 from nanoserve import LLM, KVTransferConfig, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def config(role: str, port: int, **options) -> KVTransferConfig:

@@ -3,7 +3,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conftest import hf_greedy, random_prompts
+from conftest import free_port, hf_greedy, random_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """import json, sys
@@ -21,12 +20,6 @@ llm = LLM(sys.argv[1], pipeline_parallel_size=2, num_kvcache_blocks=64)  # (on r
 outputs = llm.generate(json.loads(sys.argv[2]), SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
 print("TOKENS", json.dumps([o.outputs[0].token_ids for o in outputs]), flush=True)
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launch_nodes(args: list[str], tmp_path: Path) -> list[subprocess.Popen]:
