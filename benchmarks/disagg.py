@@ -31,7 +31,7 @@ from nanoserve.utils.default_model import resolve_model  # noqa: E402  before tr
 # isort: split
 import httpx  # noqa: E402
 import numpy as np  # noqa: E402
-from serve import free_port, one_request, start_server  # noqa: E402
+from serve import free_port, one_request, start_server, write_report  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 
@@ -140,13 +140,7 @@ def main(argv=None) -> dict:
         for kind, f in by_kind.items():
             itl = f"{f['itl_ms'][0]:>10.0f} /{f['itl_ms'][1]:>8.0f}" if f["itl_ms"] else f"{'-':>20}"
             print(f"{name:<18}{kind:<7}{f['ttft_ms'][0]:>10.0f} /{f['ttft_ms'][1]:>8.0f}{itl}")
-    print(f"load average at the end: {os.getloadavg()[0]:.2f}; server logs: {log.name}")
-    report = dict(model=args.model or "default", load_avg_1min=load, load_avg_1min_end=os.getloadavg()[0],
-                  args=vars(args), results=results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=2)
-    return report
+    return write_report(args, load, log, args=vars(args), results=results)
 
 
 if __name__ == "__main__":

@@ -188,10 +188,15 @@ def main(argv=None) -> dict:
             results[name] = bench_server(name, cmd, model, extra, workload, args, log)
             commands[name] = " ".join(cmd[1:] if name == "nanoserve" else cmd)
     print_table(results)
+    return write_report(args, load, log, num_prompts=args.num_prompts, input_len=args.input_len,
+                        output_len=args.output_len, seed=args.seed, commands=commands, results=results)
+
+
+def write_report(args, load: float, log, /, **fields) -> dict:
+    """The run's report: the model, the load average before and now (printed, with the servers' log), fields;
+    written to --json too."""
     print(f"load average at the end: {os.getloadavg()[0]:.2f}; server logs: {log.name}")
-    report = dict(model=args.model or "default", load_avg_1min=load, load_avg_1min_end=os.getloadavg()[0],
-                  num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-                  seed=args.seed, commands=commands, results=results)
+    report = dict(model=args.model or "default", load_avg_1min=load, load_avg_1min_end=os.getloadavg()[0], **fields)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
