@@ -132,10 +132,11 @@ class InputBuilder:
         output already (penalties, min_tokens)."""
         if params is None:  # read row by row only what some row sets: most steps share one SamplingParams
             distinct = {id(seq.sampling_params): seq.sampling_params for seq, _ in rows}.values()
-            params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows]
-                      if any(getattr(p, name) != unused for p in distinct) else [unused] * len(rows)
-                      for name, unused in PARAMS.items()}
-        used = {name for name, unused in PARAMS.items() if (np.asarray(params[name]) != unused).any()}
+            used = {name for name, unused in PARAMS.items() if any(getattr(p, name) != unused for p in distinct)}
+            params = {name: [getattr(seq.sampling_params, name) for seq, _ in rows] if name in used
+                      else [unused] * len(rows) for name, unused in PARAMS.items()}
+        else:  # the persistent batch's columns
+            used = {name for name, unused in PARAMS.items() if (np.asarray(params[name]) != unused).any()}
 
         def column(name: str, dtype: torch.dtype) -> torch.Tensor | None:
             return self._tensor(params[name], dtype) if name in used else None
