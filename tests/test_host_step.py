@@ -11,8 +11,11 @@ import host_step  # noqa: E402
 
 
 @pytest.mark.parametrize("persistent_batch", [False, True])
-def test_host_step_times_each_decode_step_by_phase(persistent_batch):
+def test_host_step_times_each_decode_step_by_phase(persistent_batch, monkeypatch):
+    flatten, calls = host_step.InputBatch.flatten, []
+    monkeypatch.setattr(host_step.InputBatch, "flatten", lambda self, out: calls.append(1) or flatten(self, out))
     times = host_step.measure(num_seqs=4, steps=3, warmup=1, temperature=0.8, persistent_batch=persistent_batch)
+    assert bool(calls) == persistent_batch  # --persistent-batch builds the inputs as on CUDA, else the core does
     assert {phase: len(t) for phase, t in times.items()} == {phase: 3 for phase in (*host_step.PHASES, "step")}
     for i, step in enumerate(times["step"]):
         for kind in range(2):  # wall, CPU
