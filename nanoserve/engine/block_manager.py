@@ -86,14 +86,12 @@ class BlockManager:
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
         return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids) <= self.num_free_blocks
 
-    def num_new_tokens(self, seq: Sequence) -> int:
-        """How many of seq's tokens allocate(seq) would leave to compute, past its cached prefix."""
-        return len(seq) - sum(map(len, self._cached_prefix(seq))) * self.block_size
-
-    def allocate(self, seq: Sequence) -> bool:
-        """Give seq's prompt its blocks, reusing cached ones (and loading tier hits); False changes no state."""
+    def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
+        """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes no state: the
+        blocks do not fit, or more than max_new_tokens are left to compute past the cached prefix."""
         hit_ids, tier_hashes = self._cached_prefix(seq)
-        if not self.can_allocate(seq, hit_ids):
+        num_new_tokens = len(seq) - (len(hit_ids) + len(tier_hashes)) * self.block_size
+        if (max_new_tokens is not None and num_new_tokens > max_new_tokens) or not self.can_allocate(seq, hit_ids):
             return False
         for block_id in hit_ids:
             if self.blocks[block_id].ref_count == 0:  # a cached block nobody held: out of the free queue

@@ -66,8 +66,8 @@ class Scheduler:
         """Admit waiting prompts in order, whole (a cached prefix costs no budget) or, with chunked prefill, a chunk."""
         while budget > 0 and (seq := self._next_waiting(out)) is not None:
             if (seq in out.preempted  # one this very step preempted waits: its KV may be in flight
-                    or (not self.enable_chunked_prefill and self.block_manager.num_new_tokens(seq) > budget)
-                    or not self.block_manager.allocate(seq)):
+                    # (whole prompts: what it computes past its cached prefix must fit the budget)
+                    or not self.block_manager.allocate(seq, None if self.enable_chunked_prefill else budget)):
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING

@@ -70,8 +70,8 @@ class SlidingWindowBlockManager(BlockManager):
                 return [NULL_BLOCK] * (num_hit - len(window)) + window, []
         return [], []
 
-    def allocate(self, seq: Sequence) -> bool:
-        allocated = super().allocate(seq)
+    def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
+        allocated = super().allocate(seq, max_new_tokens)
         self.blocks[NULL_BLOCK].ref_count = 1  # (the base class counted the null entries of a hit as references)
         return allocated
 
