@@ -14,6 +14,7 @@ Each phase in wall time and in the thread's CPU time: on a shared machine the CP
     python benchmarks/host_step.py                       # 256 sequences, 20 warm-up and 200 timed decode steps
     python benchmarks/host_step.py --num-seqs 64 --steps 100 --temperature 0.8
     python benchmarks/host_step.py --persistent-batch    # the inputs as on CUDA: nanoserve/persistent_batch.py
+    python benchmarks/host_step.py --final-only          # as LLM.generate asks: the text decoded once, at the end
 """
 import argparse
 import random
@@ -32,7 +33,7 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config  # noqa: E402
 
-from nanoserve import LLM, SamplingParams  # noqa: E402
+from nanoserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from nanoserve.persistent_batch import InputBatch  # noqa: E402
 from nanoserve.utils.default_model import resolve_model  # noqa: E402
 
@@ -64,7 +65,7 @@ def timed(times: dict[str, list[tuple[float, float]]], phase: str, fn):
 
 
 def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persistent_batch: bool = False,
-            seed: int = 0) -> dict[str, list[tuple[float, float]]]:
+            final_only: bool = False, seed: int = 0) -> dict[str, list[tuple[float, float]]]:
     """(wall, CPU) seconds per decode step and phase: prompts of 32-512 random tokens (bench.py's default workload) are
     prefilled first (untimed), then every step decodes num_seqs sequences, one token each."""
     rng = random.Random(seed)
@@ -78,7 +79,8 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
         engine.input_builder.input_batch = InputBatch(engine.config.block_size).flatten
     vocab = engine.config.hf_config.vocab_size
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,
-                            max_tokens=warmup + steps + 8)
+                            max_tokens=warmup + steps + 8,
+                            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
     for i in range(num_seqs):
         engine.add_request(str(i), [rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))], params)
 
@@ -118,13 +120,16 @@ def main() -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else with top_p=0.95")
     p.add_argument("--persistent-batch", action="store_true",
                    help="build the inputs with the persistent batch, as on CUDA (default: the core's loops)")
+    p.add_argument("--final-only", action="store_true",
+                   help="requests ask for FINAL_ONLY, as LLM.generate sends them (default: CUMULATIVE, as a stream)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the host work is single-threaded)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature, args.persistent_batch)
+    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature, args.persistent_batch, args.final_only)
     inputs = "the persistent batch" if args.persistent_batch else "the core's loops"
+    kind = "FINAL_ONLY" if args.final_only else "CUMULATIVE"
     print(f"host time per decode step, {args.num_seqs} sequences, {args.steps} steps, forward excluded "
-          f"(temperature {args.temperature}, inputs from {inputs}):")
+          f"(temperature {args.temperature}, inputs from {inputs}, {kind} outputs):")
     print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'CPU median':>11s} {'CPU p90':>9s}")
     for phase in (*PHASES, "step"):
         line = f"  {phase:14s}"

@@ -1,4 +1,5 @@
 from collections.abc import Callable
+from dataclasses import replace
 from itertools import count
 from time import perf_counter
 
@@ -74,6 +75,8 @@ class LLM:
         token_ids = [prompt_token_ids(self.tokenizer, p) for p in prompts]
         for request in zip(token_ids, sampling_params, priority, loras):  # all checked before any is queued
             self.engine.check_request(*request)
+        final = {id(p): replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in sampling_params}  # (as vLLM)
+        sampling_params = [final[id(p)] for p in sampling_params]
         return self._add_and_run(prompts, token_ids, [p.n for p in sampling_params], use_tqdm, lambda request_id, i: (
             self.engine.add_request(request_id, token_ids[i], sampling_params[i], priority[i], loras[i])))
 

@@ -1,10 +1,13 @@
 """Text on the demo model (byte-level BPE): streamed deltas add up to the full text, multi-byte characters
-included; stop strings across token boundaries, with and without the stop string, and with min_tokens."""
+included; stop strings across token boundaries, with and without the stop string, and with min_tokens; final-only
+text without stop strings decoded once, at the end."""
 import asyncio
 
 import pytest
+from tokenizers.decoders import DecodeStream
 
-from nanoserve import AsyncLLM, RequestOutputKind, SamplingParams
+from nanoserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
+from nanoserve.engine import output_processor
 
 EMOJI = "Write one emoji and say café:"  # plain text: the model answers with emoji split over tokens
 CAFE = [{"role": "user", "content": "Write the French word for coffee, with its accent, three times."}]
@@ -67,3 +70,39 @@ def test_stop_strings_across_token_boundaries(demo):
     _, (final,) = run(demo, prompt, stop=stop, min_tokens=4)
     second = text.index(stop, text.index(stop) + 1)
     assert final.outputs[0].text == text[:second] and final.outputs[0].stop_reason == stop
+
+
+@pytest.fixture
+def decode_steps(monkeypatch) -> list[int]:
+    """The tokens detokenizers step through DecodeStream, one by one (the text as it goes)."""
+    steps = []
+
+    class CountingStream:
+        def __init__(self, **kwargs):
+            self.stream = DecodeStream(**kwargs)
+
+        def step(self, tokenizer, token_id: int):
+            steps.append(token_id)
+            return self.stream.step(tokenizer, token_id)
+
+    monkeypatch.setattr(output_processor, "DecodeStream", CountingStream)
+    return steps
+
+
+def test_final_only_text_without_stop_strings_is_decoded_once_at_the_end(demo, decode_steps):
+    deltas, (final,) = run(demo, EMOJI)  # the same request streamed and final only: the same text (above)
+    assert len(decode_steps) == len(final.outputs[0].token_ids)  # the stream's steps only
+    decode_steps.clear()
+    _, (final,) = run(demo, EMOJI, stop=["no such text"])  # a stop string needs the text token by token
+    assert len(decode_steps) == 2 * len(final.outputs[0].token_ids)
+
+
+def test_llm_generate_asks_for_final_only_and_leaves_the_callers_params_alone(converted, decode_steps):
+    llm = LLM(str(converted[1]), max_model_len=256)
+    params = SamplingParams(temperature=0, max_tokens=16)
+    (out,) = llm.generate([EMOJI], params, use_tqdm=False)
+    assert not decode_steps and params.output_kind == RequestOutputKind.CUMULATIVE
+    assert out.outputs[0].text == llm.tokenizer.decode(out.outputs[0].token_ids, skip_special_tokens=True)
+    (stopped,) = llm.generate([EMOJI], SamplingParams(temperature=0, max_tokens=16, stop=["no such text"]),
+                              use_tqdm=False)
+    assert stopped.outputs[0].text == out.outputs[0].text and len(decode_steps) == 16

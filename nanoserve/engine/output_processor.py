@@ -75,6 +75,9 @@ class IncrementalDetokenizer:
         self.tokenizer, self.params, self.token_ids, self.text = tokenizer, params, [], ""
         self.stream = DecodeStream(skip_special_tokens=True)
         self.num_sent = 0  # characters of text already handed out
+        # Text no one reads before the end (LLM.generate asks for FINAL_ONLY) and no stop string looks at is decoded
+        # all at once when the sequence finishes: its steps spend nothing on it.
+        self.at_end = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
         # Without include_stop_str_in_output, the tail that may turn out to begin a stop string is held back.
         self.hold_back = 0 if params.include_stop_str_in_output else max(map(len, params.stop), default=1) - 1
 
@@ -82,8 +85,8 @@ class IncrementalDetokenizer:
         """Take in a new token (the last one if finished); returns the stop string its text completes, if any
         (the text is cut there)."""
         self.token_ids.append(token_id)
-        new_text = self.stream.step(self.tokenizer._tokenizer, token_id)
-        if new_text is None and finished:  # cut off inside a character: end in U+FFFD, as decoding all at once
+        new_text = None if self.at_end else self.stream.step(self.tokenizer._tokenizer, token_id)
+        if new_text is None and finished:  # (cut off inside a character: end in U+FFFD, as decoding all at once)
             new_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[len(self.text) :]
         self.text += new_text or ""
         if not new_text or len(self.token_ids) <= self.params.min_tokens:
