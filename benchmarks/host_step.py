@@ -7,7 +7,9 @@ phase, through the engine's public steps:
 - inputs: `engine.input_builder.prepare_inputs(out)`, its tensors (token ids, positions, slot mapping, block
   tables, sampling metadata);
 - fake forward: `engine.executor.execute_model`, here a random token per sampling row (not the forward);
-- outputs: the rest of `engine.step()`: the tokens appended, stop checks, detokenization, the request outputs.
+- outputs: the rest of `engine.step()`: the tokens appended, stop checks, detokenization, the request outputs;
+- front end, after the step: its outputs gathered into RequestOutputs (`RequestState.update`), as `LLM.generate`
+  and `AsyncLLM` do in the same process: host time a synchronous engine's GPU waits for too.
 
 Each phase in wall time and in the thread's CPU time: on a shared machine the CPU time is the steadier figure.
 
@@ -15,6 +17,7 @@ Each phase in wall time and in the thread's CPU time: on a shared machine the CP
     python benchmarks/host_step.py --num-seqs 64 --steps 100 --temperature 0.8
     python benchmarks/host_step.py --persistent-batch    # the inputs as on CUDA: nanoserve/persistent_batch.py
     python benchmarks/host_step.py --final-only          # as LLM.generate asks: the text decoded once, at the end
+                                                         # (default: CUMULATIVE, as a stream asks)
 """
 import argparse
 import random
@@ -34,6 +37,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config  # noqa: E402
 
 from nanoserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
+from nanoserve.engine.output_processor import RequestState  # noqa: E402
 from nanoserve.persistent_batch import InputBatch  # noqa: E402
 from nanoserve.utils.default_model import resolve_model  # noqa: E402
 
@@ -78,19 +82,27 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
     if persistent_batch:  # the input_batch seam, as chapters.build_engine plugs it in on CUDA
         engine.input_builder.input_batch = InputBatch(engine.config.block_size).flatten
     vocab = engine.config.hf_config.vocab_size
+    kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,
-                            max_tokens=warmup + steps + 8,
-                            output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE)
+                            max_tokens=warmup + steps + 8, output_kind=kind)
+    states = {}
     for i in range(num_seqs):
-        engine.add_request(str(i), [rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))], params)
+        prompt = [rng.randrange(3, vocab) for _ in range(rng.randint(32, 512))]
+        states[str(i)] = RequestState(str(i), None, prompt, kind)
+        engine.add_request(str(i), prompt, params)
 
     def fake_forward(out, inputs) -> torch.Tensor:  # a token per sampling row, no model
         return torch.randint(3, vocab, (0 if inputs is None else len(inputs.sample_seq_ids),))
 
-    times: dict[str, list[tuple[float, float]]] = {phase: [] for phase in (*PHASES, "step")}
-    plans = []
-    schedule = engine.scheduler.schedule
-    engine.scheduler.schedule = timed(times, "schedule", lambda: plans.append(schedule()) or plans[-1])
+    times: dict[str, list[tuple[float, float]]] = {phase: [] for phase in (*PHASES, "step", "front end")}
+    plans, schedule = [], engine.scheduler.schedule
+    front_end = timed(times, "front end", lambda outputs: [states[out.request_id].update(out) for out in outputs])
+
+    def schedule_and_keep():  # the last plan only: keeping them all would age them into the GC's oldest generation
+        plans[:] = [schedule()]
+        return plans[0]
+
+    engine.scheduler.schedule = timed(times, "schedule", schedule_and_keep)
     engine.input_builder.prepare_inputs = timed(times, "inputs", engine.input_builder.prepare_inputs)
     engine.executor.execute_model = timed(times, "fake forward", fake_forward)
 
@@ -98,12 +110,12 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
         return len(out.seqs) == num_seqs and sum(out.num_scheduled_tokens) == num_seqs
 
     while not (plans and decoding(plans[-1])):  # the prefills, untimed
-        engine.step()
+        front_end(engine.step())
     for phase in times:
         times[phase].clear()
     step = timed(times, "step", engine.step)
     for _ in range(warmup + steps):
-        step()
+        front_end(step())
         if not decoding(plans[-1]):
             raise RuntimeError("a timed step was not a decode of every sequence")
     times = {phase: t[warmup:] for phase, t in times.items()}
@@ -127,11 +139,11 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     times = measure(args.num_seqs, args.steps, args.warmup, args.temperature, args.persistent_batch, args.final_only)
     inputs = "the persistent batch" if args.persistent_batch else "the core's loops"
-    kind = "FINAL_ONLY" if args.final_only else "CUMULATIVE"
+    output_kind = "FINAL_ONLY" if args.final_only else "CUMULATIVE"
     print(f"host time per decode step, {args.num_seqs} sequences, {args.steps} steps, forward excluded "
-          f"(temperature {args.temperature}, inputs from {inputs}, {kind} outputs):")
+          f"(temperature {args.temperature}, inputs from {inputs}, {output_kind} outputs):")
     print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'CPU median':>11s} {'CPU p90':>9s}")
-    for phase in (*PHASES, "step"):
+    for phase in (*PHASES, "step", "front end"):
         line = f"  {phase:14s}"
         for kind in range(2):  # wall, then CPU
             t = sorted(step[kind] for step in times[phase])

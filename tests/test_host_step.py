@@ -10,13 +10,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import host_step  # noqa: E402
 
 
-@pytest.mark.parametrize("persistent_batch", [False, True])
-def test_host_step_times_each_decode_step_by_phase(persistent_batch, monkeypatch):
+@pytest.mark.parametrize("persistent_batch, final_only", [(False, False), (True, True)])
+def test_host_step_times_each_decode_step_by_phase(persistent_batch, final_only, monkeypatch):
     flatten, calls = host_step.InputBatch.flatten, []
     monkeypatch.setattr(host_step.InputBatch, "flatten", lambda self, out: calls.append(1) or flatten(self, out))
-    times = host_step.measure(num_seqs=4, steps=3, warmup=1, temperature=0.8, persistent_batch=persistent_batch)
+    updates, update = [], host_step.RequestState.update
+    monkeypatch.setattr(host_step.RequestState, "update", lambda s, out: updates.append(s.kind) or update(s, out))
+    times = host_step.measure(num_seqs=4, steps=3, warmup=1, temperature=0.8, persistent_batch=persistent_batch,
+                              final_only=final_only)
     assert bool(calls) == persistent_batch  # --persistent-batch builds the inputs as on CUDA, else the core does
-    assert {phase: len(t) for phase, t in times.items()} == {phase: 3 for phase in (*host_step.PHASES, "step")}
+    kind = host_step.RequestOutputKind.FINAL_ONLY if final_only else host_step.RequestOutputKind.CUMULATIVE
+    assert updates and set(updates) == {kind}  # the front end takes every step's outputs in, as asked
+    assert {phase: len(t) for phase, t in times.items()} == {phase: 3 for phase in (*host_step.PHASES, "step",
+                                                                                    "front end")}
     for i, step in enumerate(times["step"]):
         for kind in range(2):  # wall, CPU
             assert min(times[phase][i][kind] for phase in host_step.PHASES[:3]) >= 0
