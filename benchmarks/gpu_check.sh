@@ -10,7 +10,8 @@
 # 1. the CUDA tests, 4 pytest-xdist workers: greedy float32 equal to transformers under every option
 #    (tests/test_cuda.py; the pool sized from free memory alone, after), the Triton kernels natively (attention,
 #    elementwise, the fp8 KV cache, LoRA's); beside them, on the CPU, the host time per decode step at 256
-#    sequences (benchmarks/host_step.py, with the core's input loops and with the persistent batch);
+#    sequences (benchmarks/host_step.py, with the core's input loops and with the persistent batch, then that with
+#    FINAL_ONLY outputs, as LLM.generate asks);
 # 2. nano-vllm's workload (256 requests, 100-1024 tokens in and out, Qwen3-0.6B's shapes): async scheduling with
 #    the KV cache in bfloat16 then fp8, back to back; then synchronous;
 # 3. LoRA: 128 requests of the same shapes with shorter answers, the base model, 4 adapters, 1 merged (async);
@@ -48,7 +49,8 @@ part() {  # part NAME SECONDS COMMAND...: run it under a time limit, its output 
 
 workload=(--nano-vllm --model benchmarks/qwen3-0.6b --random-weights --peer none)
 # CPU only: beside the tests, not beside a timed GPU run; the core's input loops, then the persistent batch (CUDA's)
-part host_step 110 bash -c "python benchmarks/host_step.py && python benchmarks/host_step.py --persistent-batch" &
+part host_step 110 bash -c "python benchmarks/host_step.py && python benchmarks/host_step.py --persistent-batch \
+    && python benchmarks/host_step.py --persistent-batch --final-only" &
 part tests 100 python -m pytest -n 4 -q -x tests/test_cuda.py tests/test_triton_attention.py \
     tests/test_triton_elementwise.py tests/test_kv_cache_fp8.py tests/test_lora_triton.py \
     "tests/test_lora.py::test_the_triton_kernel_in_the_engine_equals_peft" -k "not pool-from-memory"
@@ -83,7 +85,7 @@ for name in ("async", "sync", "lora", "multi_turn"):
 for name in ("paged_attention", "host_step"):
     path = out / f"{name}.log"
     if path.exists():
-        lines += ["", f"{name}:", *path.read_text().strip().split("\n")[-16:]]
+        lines += ["", f"{name}:", *path.read_text().strip().split("\n")[-24:]]
 (out / "summary.md").write_text("\n".join(lines) + "\n```\n")
 EOF
 echo "gpu_check: $((SECONDS - start)) s in all" | tee -a "$out/summary.md"
