@@ -86,7 +86,7 @@ class IncrementalDetokenizer:
         (the text is cut there)."""
         self.token_ids.append(token_id)
         new_text = None if self.at_end else self.stream.step(self.tokenizer._tokenizer, token_id)
-        if new_text is None and finished:  # (cut off inside a character: end in U+FFFD, as decoding all at once)
+        if new_text is None and finished:  # all at once: at_end, or cut off inside a character (it ends in U+FFFD)
             new_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)[len(self.text) :]
         self.text += new_text or ""
         if not new_text or len(self.token_ids) <= self.params.min_tokens:
