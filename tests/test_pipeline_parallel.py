@@ -171,3 +171,39 @@ def test_a_killed_stage_raises_a_clear_error_at_once(models, in_flight):
     # The last stage has got the step when its worker dies: rank 0 waits for its logits.
     worker = assert_killed_worker_fails_fast(llm, random_prompts(4), GREEDY)
     assert not worker.is_alive()
+
+
+def test_two_threads_that_see_one_dead_worker_both_read_its_exit_code(monkeypatch):
+    """Pipeline stages: the launch thread and the logits thread may both find a killed worker. The one that reaps it
+    holds MultiprocExecutor.reaping meanwhile, so the other reads the exit code instead of None (its waitpid would
+    get ECHILD). The first reap is held open here while the second thread asks."""
+    from threading import Event, Lock, Thread
+
+    from nanoserve.parallel.executor import MultiprocExecutor
+
+    proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
+    proc.start()
+    os.kill(proc.pid, signal.SIGKILL)
+    executor = object.__new__(MultiprocExecutor)  # only what dead_workers reads: the workers and the lock
+    executor.procs, executor.reaping = [proc], Lock()
+    reaped, release, waitpid = Event(), Event(), os.waitpid
+
+    def slow_waitpid(pid, options):  # the first reap pauses after the child is gone, before its code is kept
+        result = waitpid(pid, options)
+        if result[0] == pid and not reaped.is_set():
+            reaped.set()
+            release.wait(5)
+        return result
+
+    monkeypatch.setattr(os, "waitpid", slow_waitpid)
+    said = []
+    first = Thread(target=lambda: said.append(executor.dead_workers(timeout=5)))
+    first.start()
+    assert reaped.wait(5)
+    second = Thread(target=lambda: said.append(executor.dead_workers(timeout=5)))
+    second.start()
+    second.join(0.5)  # without the lock it would be done by now, having read None
+    release.set()
+    for thread in (first, second):
+        thread.join(5)
+    assert said == [f"worker rank 1 (pid {proc.pid}) exited with code -9"] * 2
