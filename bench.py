@@ -63,7 +63,7 @@ from transformers import (
 )
 from transformers.generation.continuous_batching.utils import WorkloadHints
 
-from nanoserve import LLM, LoRARequest, SamplingParams
+from nanoserve import LLM, LoRARequest, RequestOutputKind, SamplingParams
 from nanoserve.config import Config
 from nanoserve.layers.linear import ParallelLMHead, VocabParallelEmbedding, linear
 from nanoserve.layers.onednn import reorder_for_cpu
@@ -294,7 +294,8 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     llm.generate([warmup], SamplingParams(max_tokens=8), use_tqdm=False)
     warmup_s = perf_counter() - t
     forward_durations, step_shapes, context_tokens = time_forward(engine.model_runner)
-    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n) for n in output_lens]
+    params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=n, output_kind=RequestOutputKind.FINAL_ONLY)
+              for n in output_lens]  # FINAL_ONLY, as LLM.generate asks: the text is decoded once, at the end
     start = perf_counter()
     for i, (ids, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), ids, sp, lora_request=None if loras is None else loras[i])
