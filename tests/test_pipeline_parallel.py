@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from threading import Event, Lock, Thread
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch.distributed as dist
 
 from conftest import ARCHS, assert_killed_worker_fails_fast, hf_greedy, make_model, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.parallel.executor import parameter_shapes
+from nanoserve.parallel.executor import MultiprocExecutor, parameter_shapes
 from nanoserve.parallel.pipeline import stage_layers
 from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore
 
@@ -177,10 +178,6 @@ def test_two_threads_that_see_one_dead_worker_both_read_its_exit_code(monkeypatc
     """Pipeline stages: the launch thread and the logits thread may both find a killed worker. The one that reaps it
     holds MultiprocExecutor.reaping meanwhile, so the other reads the exit code instead of None (its waitpid would
     get ECHILD). The first reap is held open here while the second thread asks."""
-    from threading import Event, Lock, Thread
-
-    from nanoserve.parallel.executor import MultiprocExecutor
-
     proc = multiprocessing.get_context("fork").Process(target=time.sleep, args=(60,))
     proc.start()
     os.kill(proc.pid, signal.SIGKILL)
