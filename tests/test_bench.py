@@ -194,3 +194,19 @@ def test_bytes_per_step_counts_each_weight_once_and_the_kv_in_its_dtype(tiny_mod
         runner = LLM(tiny_models["qwen3"], kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=8).engine.model_runner
         assert bench.bytes_per_step(runner) == (
             weights, 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize)
+
+
+def test_nanoserve_requests_ask_for_final_only_as_llm_generate_does(tiny_models):
+    """The timed requests are LLM.generate's kind (FINAL_ONLY: text decoded once, at the end), not a stream's."""
+    import bench
+
+    llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=32)
+    kinds, add_request = [], llm.engine.add_request
+
+    def recording_add_request(request_id, prompt_token_ids, params, *args, **kwargs):
+        kinds.append(params.output_kind)
+        return add_request(request_id, prompt_token_ids, params, *args, **kwargs)
+
+    llm.engine.add_request = recording_add_request
+    result = bench.run_nanoserve(llm, [[5, 6, 7], [8, 9]], [3, 2], warmup=[4, 5])
+    assert result["output_tokens"] == 5 and kinds == [bench.RequestOutputKind.FINAL_ONLY] * 3  # warm-up included
