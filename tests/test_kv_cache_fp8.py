@@ -23,7 +23,7 @@ CPU_KERNEL = pytest.mark.skipif(isinstance(load_cpu_kernel("paged_attention_cpu"
 TRITON = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 BACKENDS = ["torch", pytest.param("cpu", marks=CPU_KERNEL), pytest.param("triton", marks=TRITON)]
 BATCH = [(37, 1), (48, 1), (20, 20), (50, 13), (9, 4), (1, 1)]  # decodes, a prompt, a chunk, verify-like rows
-BATCH += [(300, 1), (200, 3)]  # contexts of several steps of the Triton kernel's loop (128 keys a step at fp8)
+BATCH += [(300, 1), (200, 3)]  # contexts of several steps of the Triton kernel's loop (64 keys a step)
 # Triton's interpreter (3.9) rounds to fp8 by cutting the mantissa, without carrying into the exponent (1.96 -> 1.0);
 # a GPU rounds to nearest even as PyTorch does. Under the interpreter, the Triton store gets values fp8 holds exactly
 # (and values past 448, which saturate): what is tested is the kernel's own work, not the interpreter's rounding.
@@ -49,7 +49,10 @@ def test_reads_equal_float32_attention_over_the_rounded_values(backend, kv_scale
     exact = FP8 if backend == "triton" and INEXACT_FP8 else None
     out = run_backend(backend, BATCH, block_size, heads, kv_heads, dim, cache_dtype=FP8, kv_scale=kv_scale,
                       round_kv_to=exact, device=DEVICE if backend == "triton" else "cpu")
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    # Scores grow with kv_scale: at 200 they reach the thousands, and a float32 rounding in a score moves its
+    # softmax weight by ~1e-5 (a GPU's exp2 and summing order, measured on an H200). fp8's own error is ~6%.
+    tolerance = 1e-5 if kv_scale == 1.0 else 1e-4
+    torch.testing.assert_close(out, expected, atol=tolerance, rtol=tolerance)
     # and the rounding is not nothing: float32 K/V give other outputs
     assert not torch.allclose(run_backend("torch", BATCH, block_size, heads, kv_heads, dim, kv_scale=kv_scale),
                               expected, atol=1e-3, rtol=1e-3)

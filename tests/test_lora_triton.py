@@ -196,19 +196,21 @@ def test_cuda_graphs_are_captured_again_with_the_lora_kernels(monkeypatch):
         def __init__(self, model, config, scratch_slot):
             rows = model.lora_slots.rows
             qkv = model.model.layers[0].self_attn.qkv_proj  # a forward as captured: the kernel, on base rows alone
-            x = torch.randn(4, qkv.base.in_features)
+            x = torch.randn(4, qkv.base.in_features, device=DEVICE)
             seen.append((rows.active, rows.path, rows.slots.max().item(), scratch_slot,
                          torch.equal(qkv(x), qkv.base(x))))
 
     monkeypatch.setattr(layers_module, "CUDAGraphs", Graphs)
     config = CONFIGS["qwen3"]()
-    runner = SimpleNamespace(model=Qwen3ForCausalLM(config), device=torch.device("cpu"), scratch_slot=7,
+    with torch.device(DEVICE):  # the Triton kernel runs natively where CUDA is, else interpreted
+        models = Qwen3ForCausalLM(config), Qwen3ForCausalLM(config)
+    runner = SimpleNamespace(model=models[0], device=DEVICE, scratch_slot=7,
                              config=SimpleNamespace(torch_dtype=torch.float32, max_num_batched_tokens=32,
                                                     max_num_seqs=8),
                              cuda_graphs=None)
     layers_module.add_lora_slots(runner, 2, 4)
     assert seen == [] and runner.cuda_graphs is None  # eager: nothing to capture
-    runner.model, runner.cuda_graphs = Qwen3ForCausalLM(config), "the base model's graphs"
+    runner.model, runner.cuda_graphs = models[1], "the base model's graphs"
 
     class TritonSlots(LoRASlots):  # the Triton path, as on CUDA
         def __init__(self, *args):

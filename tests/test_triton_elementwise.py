@@ -5,7 +5,7 @@ through Triton's interpreter (conftest.py sets TRITON_INTERPRET=1), natively whe
 import pytest
 import torch
 
-from conftest import ARCHS, hf_greedy, random_prompts
+from conftest import ARCHS, ROOMY_POOL, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
 from nanoserve.layers.activation import SiluAndMul
@@ -73,7 +73,8 @@ def test_rotary_embedding_equals_pytorch(dtype, tokens, head_dim, heads, kv_head
 @pytest.mark.parametrize("arch", ARCHS)
 def test_engine_equals_transformers(tiny_models, arch):
     prompts = random_prompts(3, seed=5, low=1, high=30)
-    llm = LLM(tiny_models[arch], dtype="float32", attention_backend="torch", elementwise_backend="triton")
+    llm = LLM(tiny_models[arch], dtype="float32", attention_backend="torch", elementwise_backend="triton",
+              **ROOMY_POOL)  # not a pool sized from the free memory other test workers hold on a GPU
     modules = [m for m in llm.engine.executor.model_runner.model.modules() if type(m) in TRITON_FORWARDS]
     assert {type(m) for m in modules} == {RMSNorm, SiluAndMul, RotaryEmbedding}
     assert all(m.forward.__func__ is TRITON_FORWARDS[type(m)] for m in modules)

@@ -127,10 +127,9 @@ def paged_attention_kernel(
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
-# Keys per step of the loop, by the cache's bytes per value: fp8's 128 keys load as many bytes as bfloat16's 64.
-# At 64, an fp8 load is half as large, so half as many bytes are in flight (unmeasured on a GPU yet:
-# benchmarks/paged_attention.py --block-n compares).
-BLOCK_N = {1: 128, 2: 64, 4: 64}
+# Keys per step of the loop, whatever the cache's dtype: on an H200, 128 keys a step from an fp8 cache (as many
+# bytes a load as bfloat16's 64) took 0.395 ms a call against 64's 0.384 (benchmarks/paged_attention.py --block-n).
+BLOCK_N = 64
 
 
 def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta, scale: float,
@@ -155,7 +154,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), window,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=BLOCK_N[k_cache.element_size()],
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
