@@ -300,6 +300,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
     for i, (ids, sp) in enumerate(zip(prompts, params)):
         engine.add_request(str(i), ids, sp, lora_request=None if loras is None else loras[i])
     first_token, finish, token_ids, cached = {}, {}, [[] for _ in prompts], [0] * len(prompts)
+    gc.freeze()  # as LLM.generate does: the heap so far is left out of full collections
     while engine.has_unfinished_requests():
         outputs = engine.step()
         now = perf_counter()
@@ -310,6 +311,7 @@ def run_nanoserve(llm: LLM, prompts: list[list[int]], output_lens: list[int], wa
             if out.finished:
                 finish[i], cached[i] = now, out.num_cached_tokens
     wall = perf_counter() - start
+    gc.unfreeze()
     forward_times = forward_durations()
     assert [len(ids) for ids in token_ids] == output_lens
     num_tokens = sum(output_lens)

@@ -91,7 +91,8 @@ for name in ("async", "sync", "lora", "multi_turn"):
 for name in ("paged_attention", "host_step"):
     path = out / f"{name}.log"
     if path.exists():
-        lines += ["", f"{name}:", *path.read_text().strip().split("\n")[-24:]]
+        lines += ["", f"{name}:", *[line for line in path.read_text().split("\n")
+                                     if line.strip() and "Writing" not in line][-36:]]
 (out / "summary.md").write_text("\n".join(lines) + "\n```\n")
 EOF
 echo "gpu_check: $((SECONDS - start)) s in all" | tee -a "$out/summary.md"

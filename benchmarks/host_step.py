@@ -20,6 +20,7 @@ Each phase in wall time and in the thread's CPU time: on a shared machine the CP
                                                          # (default: CUMULATIVE, as a stream asks)
 """
 import argparse
+import gc
 import random
 import shutil
 import statistics
@@ -85,7 +86,7 @@ def timed(times: dict[str, list[tuple[float, float]]], phase: str, fn):
 
 
 def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persistent_batch: bool = False,
-            final_only: bool = False, seed: int = 0) -> dict[str, list[tuple[float, float]]]:
+            final_only: bool = False, freeze: bool = True, seed: int = 0) -> dict[str, list[tuple[float, float]]]:
     """(wall, CPU) seconds per decode step and phase: prompts of 32-512 random tokens (bench.py's default workload) are
     prefilled first (untimed), then every step decodes num_seqs sequences, one token each."""
     rng = random.Random(seed)
@@ -125,16 +126,31 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
     def decoding(out) -> bool:  # every sequence, one token each
         return len(out.seqs) == num_seqs and sum(out.num_scheduled_tokens) == num_seqs
 
+    if freeze:  # as LLM.generate does: the heap so far is left out of full collections (the mean shows them)
+        gc.freeze()
     while not (plans and decoding(plans[-1])):  # the prefills, untimed
         front_end(engine.step())
     for phase in times:
         times[phase].clear()
     step = timed(times, "step", engine.step)
-    for _ in range(warmup + steps):
+    full_collections, started = [], []
+
+    def on_gc(phase: str, info: dict) -> None:  # the GC's own callback: (wall, CPU) of each full collection
+        if info["generation"] == 2:
+            started[:] = [(perf_counter(), thread_time())] if phase == "start" else started
+            if phase == "stop":
+                full_collections.append((perf_counter() - started[0][0], thread_time() - started[0][1]))
+
+    for i in range(warmup + steps):
+        if i == warmup:
+            gc.callbacks.append(on_gc)
         front_end(step())
         if not decoding(plans[-1]):
             raise RuntimeError("a timed step was not a decode of every sequence")
+    gc.callbacks.remove(on_gc)
+    gc.unfreeze()
     times = {phase: t[warmup:] for phase, t in times.items()}
+    times["full GC"] = full_collections  # not a phase: each full collection of the timed steps, wherever it fell
     times["outputs"] = [tuple(t - sum(times[phase][i][k] for phase in PHASES[:3]) for k, t in enumerate(step))
                         for i, step in enumerate(times["step"])]
     return times
@@ -150,21 +166,30 @@ def main() -> None:
                    help="build the inputs with the persistent batch, as on CUDA (default: the core's loops)")
     p.add_argument("--final-only", action="store_true",
                    help="requests ask for FINAL_ONLY, as LLM.generate sends them (default: CUMULATIVE, as a stream)")
+    p.add_argument("--no-gc-freeze", action="store_true",
+                   help="leave the heap unfrozen (LLM.generate freezes it): full collections walk it all")
     p.add_argument("--threads", type=int, default=1, help="torch threads (the host work is single-threaded)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature, args.persistent_batch, args.final_only)
+    times = measure(args.num_seqs, args.steps, args.warmup, args.temperature, args.persistent_batch, args.final_only,
+                    not args.no_gc_freeze)
     inputs = "the persistent batch" if args.persistent_batch else "the core's loops"
     output_kind = "FINAL_ONLY" if args.final_only else "CUMULATIVE"
     print(f"host time per decode step, {args.num_seqs} sequences, {args.steps} steps, forward excluded "
-          f"(temperature {args.temperature}, inputs from {inputs}, {output_kind} outputs):")
-    print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'CPU median':>11s} {'CPU p90':>9s}")
+          f"(temperature {args.temperature}, inputs from {inputs}, {output_kind} outputs"
+          f"{', the heap not frozen' if args.no_gc_freeze else ''}):")
+    print(f"  {'ms/step':14s} {'wall median':>11s} {'wall p90':>9s} {'wall mean':>9s} {'CPU median':>11s} "
+          f"{'CPU p90':>9s} {'CPU mean':>9s}")
     for phase in (*PHASES, "step", "front end"):
         line = f"  {phase:14s}"
         for kind in range(2):  # wall, then CPU
             t = sorted(step[kind] for step in times[phase])
-            line += f" {1e3 * statistics.median(t):11.3f} {1e3 * t[int(0.9 * (len(t) - 1))]:9.3f}"
+            line += (f" {1e3 * statistics.median(t):11.3f} {1e3 * t[int(0.9 * (len(t) - 1))]:9.3f}"
+                     f" {1e3 * statistics.mean(t):9.3f}")
         print(line)
+    pauses = times["full GC"]
+    print(f"  full garbage collections in the timed steps: {len(pauses)}, "
+          f"{1e3 * sum(wall for wall, _ in pauses):.1f} ms of wall time in all")
 
 
 if __name__ == "__main__":

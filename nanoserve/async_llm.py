@@ -1,5 +1,6 @@
 import asyncio
 import contextlib
+import gc
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -32,26 +33,30 @@ def run_busy_loop(engine: EngineCore, input_queue: queue.Queue, output_queue) ->
     """The engine's thread (vLLM's EngineCoreProc.run_busy_loop). Take in ("add", request_id, add) (add() queues the
     request: engine.add_request with its arguments, or a feature's own), ("abort", request_id), ("shutdown", None);
     step while there is work; put each step's outputs on output_queue."""
-    while True:
-        # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
-        while not engine.has_unfinished_requests() or not input_queue.empty():
-            kind, request_id, *args = input_queue.get()
-            if kind == "shutdown":
-                return
-            if kind == "abort" and engine.abort_request(request_id):  # tell whoever waits for it
-                output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, finish_reason="abort")])
-            elif kind == "add":
-                add: Callable[[], None] = args[0]
-                try:
-                    add()
-                except ValueError as error:  # a bad request: its caller hears why, the others go on
-                    output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)])
-        try:
-            outputs = engine.step()
-        except Exception as error:  # a bug outside the forward: fail everyone rather than leave them waiting
-            outputs = engine.fail_all(error)
-        if outputs:
-            output_queue.put_nowait(outputs)
+    gc.freeze()  # as LLM.generate: the heap so far (torch, the model) is left out of full collections
+    try:
+        while True:
+            # Idle, get() sleeps until a request comes (no spinning); busy, it takes only what has come.
+            while not engine.has_unfinished_requests() or not input_queue.empty():
+                kind, request_id, *args = input_queue.get()
+                if kind == "shutdown":
+                    return
+                if kind == "abort" and engine.abort_request(request_id):  # tell whoever waits for it
+                    output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, finish_reason="abort")])
+                elif kind == "add":
+                    add: Callable[[], None] = args[0]
+                    try:
+                        add()
+                    except ValueError as error:  # a bad request: its caller hears why, the others go on
+                        output_queue.put_nowait([EngineCoreOutput(request_id, [], finished=True, error=error)])
+            try:
+                outputs = engine.step()
+            except Exception as error:  # a bug outside the forward: fail everyone rather than leave them waiting
+                outputs = engine.fail_all(error)
+            if outputs:
+                output_queue.put_nowait(outputs)
+    finally:
+        gc.unfreeze()
 
 
 class AsyncLLM:

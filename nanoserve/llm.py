@@ -1,3 +1,4 @@
+import gc
 from collections.abc import Callable
 from dataclasses import replace
 from itertools import count
@@ -90,6 +91,7 @@ class LLM:
             add(request_id, i)
         pbar = tqdm(total=len(states), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         finals, num_tokens, start = {}, 0, perf_counter()
+        gc.freeze()  # as vLLM: what is alive now (torch, the model) is left out of full collections, ~0.2 s each
         try:
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
@@ -105,5 +107,7 @@ class LLM:
             for request_id in states:  # give back their KV blocks so the engine stays usable
                 self.engine.abort_request(request_id)
             raise
-        pbar.close()
+        finally:
+            pbar.close()
+            gc.unfreeze()
         return [finals[request_id] for request_id in states]

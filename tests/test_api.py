@@ -1,4 +1,5 @@
 """The LLM API: bad input is a clear ValueError that leaves the engine usable; outputs, ordering, seeds."""
+import gc
 import json
 import shutil
 
@@ -240,6 +241,21 @@ def test_a_batch_mixing_greedy_and_seeded_rows_samples_each_as_alone(llm):
     alone = [completions(llm.generate([p], sp, use_tqdm=False))[0] for p, sp in zip(PROMPTS[:2], params)]
     assert together == alone
     assert alone[1] != completions(llm.generate([PROMPTS[1]], params[0], use_tqdm=False))[0]  # it did sample
+
+
+def test_generate_steps_with_the_heap_frozen_and_unfreezes_it_after(tiny_models, expected, monkeypatch):
+    """As vLLM: the objects alive before the run (torch, the model) sit out the garbage collector's full
+    collections while the engine steps, and are back in them after, even when a step fails."""
+    llm = LLM(tiny_models["qwen3"], **OPTIONS)
+    gc.unfreeze()  # (another engine's loop in this process may have frozen it)
+    step, frozen = llm.engine.step, []
+    monkeypatch.setattr(llm.engine, "step", lambda: frozen.append(gc.get_freeze_count()) or step())
+    assert completions(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == expected
+    assert frozen and min(frozen) > 10_000 and gc.get_freeze_count() == 0
+    fail_on_call(llm, monkeypatch, 2)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert gc.get_freeze_count() == 0
 
 
 # ---- failures -------------------------------------------------------------------------------

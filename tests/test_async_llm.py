@@ -2,6 +2,7 @@
 many threads at once, a failing step, an idle engine, shutdown."""
 import asyncio
 import contextlib
+import gc
 import random
 import threading
 import time
@@ -174,6 +175,8 @@ def test_an_idle_engine_sleeps_and_shutdown_ends_waiting_requests(tiny_models):
     before = cpu_ticks()
     time.sleep(0.5)
     assert cpu_ticks() == before
+    # The busy loop froze the heap as it started, as LLM.generate does (vLLM, after its engine's start-up).
+    assert gc.get_freeze_count() > 10_000
 
     async def main():
         outputs = []
@@ -185,3 +188,4 @@ def test_an_idle_engine_sleeps_and_shutdown_ends_waiting_requests(tiny_models):
         assert not llm.thread.is_alive()
 
     asyncio.run(main())
+    assert gc.get_freeze_count() == 0  # and unfroze it as it ended

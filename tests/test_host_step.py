@@ -1,5 +1,6 @@
 """benchmarks/host_step.py runs through the engine's public steps with a fake forward: every timed step decodes
 every sequence, and the phases it reports add up to the step."""
+import gc
 import sys
 from pathlib import Path
 
@@ -8,6 +9,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 import host_step  # noqa: E402
+
+
+def on_gc_removed() -> bool:
+    return not any(getattr(callback, "__name__", "") == "on_gc" for callback in gc.callbacks)
 
 
 @pytest.mark.parametrize("persistent_batch, final_only", [(False, False), (True, True)])
@@ -21,6 +26,8 @@ def test_host_step_times_each_decode_step_by_phase(persistent_batch, final_only,
     assert bool(calls) == persistent_batch  # --persistent-batch builds the inputs as on CUDA, else the core does
     kind = host_step.RequestOutputKind.FINAL_ONLY if final_only else host_step.RequestOutputKind.CUMULATIVE
     assert updates and set(updates) == {kind}  # the front end takes every step's outputs in, as asked
+    full_collections = times.pop("full GC")  # as many as happened (the heap is frozen, as LLM.generate does)
+    assert all(wall >= 0 for wall, _ in full_collections) and gc.get_freeze_count() == 0 and on_gc_removed()
     assert {phase: len(t) for phase, t in times.items()} == {phase: 3 for phase in (*host_step.PHASES, "step",
                                                                                     "front end")}
     for i, step in enumerate(times["step"]):

@@ -9,6 +9,7 @@ worker, through a pipe, the ModelRunner method to call and its arguments (the st
 so that the worker can load them straight onto its own device. An idle worker blocks on its pipe; once rank 0
 closes it, the worker ends.
 """
+import gc
 import io
 import os
 import socket
@@ -69,6 +70,7 @@ def make_runner(config: Config, rank: int = 0, seams: Seams | None = None) -> Mo
 def run_worker(config: Config, rank: int, conn: Connection) -> None:
     """Build this rank's part of the model, then run what rank 0 sends until it closes the connection; exit."""
     runner = make_runner(config, rank)
+    gc.freeze()  # as LLM.generate: the model and torch are left out of full collections (until the process ends)
     try:
         while message := conn.recv_bytes():  # b"": rank 0 is shutting down
             method, args = torch.load(io.BytesIO(message), map_location=runner.device, weights_only=False)
