@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import CONFIGS
 from nanoserve.lora.adapter import target_shapes
 from nanoserve.lora.layers import LoRALinear, LoRASlots
+from nanoserve.lora.triton_lora import launch
 from nanoserve.models.qwen3 import Qwen3ForCausalLM
 
 pytest.importorskip("triton")
@@ -31,11 +32,17 @@ ROW_SLOTS = {"decode": torch.tensor([2, -1, 0]),
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", ROW_SLOTS)
-def test_triton_kernel_equals_the_pytorch_path(dtype, rows, monkeypatch):
-    """Both of the kernel's ways, rows grouped by slot and a program per row (decode), on either set of rows."""
+@pytest.mark.parametrize("shrink_k", [16, 256], ids=["split-K", "whole-K"])
+def test_triton_kernel_equals_the_pytorch_path(dtype, rows, shrink_k, monkeypatch):
+    """Both of the kernel's ways, rows grouped by slot and a program per row (decode), on either set of rows; the
+    shrink's row of input split over programs (4 or 8 partial sums of the tiny model's 64 or 128 values) or not."""
     import nanoserve.lora.triton_lora as triton_lora
 
     monkeypatch.setattr(triton_lora, "DECODE_ROWS", 64)  # a program per row for the 40 rows too
+    monkeypatch.setattr(triton_lora, "SHRINK_K", shrink_k)
+    splits = []
+    monkeypatch.setattr(triton_lora, "launch", lambda x, *args, expand: splits.append(
+        (x if expand else args[1]).shape[0]) or launch(x, *args, expand=expand))
     gen = torch.Generator().manual_seed(0)
     config = CONFIGS["qwen3"]()
     default_dtype = torch.get_default_dtype()
@@ -67,6 +74,9 @@ def test_triton_kernel_equals_the_pytorch_path(dtype, rows, monkeypatch):
         for got in kernels:
             torch.testing.assert_close(got, expected, **TOLERANCE[dtype])
             assert torch.equal(got[base_rows], base[base_rows])  # and the kernel leaves the base rows be
+    # h's slices, as shrink and expand (twice: grouped, decode) see them: split-K over 64 input values of qkv, o
+    # and gate_up (4), 128 of down_proj (8)
+    assert splits == ([4] * 12 + [8] * 4 if shrink_k == 16 else [1] * 16)
 
 
 # ---- under CUDA graphs: launches per layer, no wait for the device, static buffers --------------------------------
