@@ -1,56 +1,51 @@
 """The Triton kernels compiled for a Hopper GPU (sm_90) on this machine, which has none: Triton's own compiler, from
-the Python source down to the cubin (with the ptxas its wheel ships). The other Triton tests run the kernels through
-the interpreter, which takes Python that Triton's compiler may reject; this catches that before a GPU run does
-(tests/test_cuda.py and benchmarks/gpu_check.sh run them natively). The arguments are typed as the JIT types them
-at a launch, the ones divisible by 16 marked so (how it vectorizes loads)."""
+the Python source down to the cubin (with the ptxas its wheel ships), by `python benchmarks/ptx_census.py --lora`
+in a process of its own (conftest.py turns Triton's interpreter on in this one). The other Triton tests run the
+kernels through the interpreter, which takes Python that Triton's compiler may reject; this catches that before a
+GPU run does (tests/test_cuda.py and benchmarks/gpu_check.sh run them natively)."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
-triton = pytest.importorskip("triton")
-pytest.importorskip("triton.backends.nvidia")  # (its wheel for Linux x86-64 has it, ptxas included)
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
-
-from nanoserve.layers.triton_attention import paged_attention_kernel  # noqa: E402
-from nanoserve.lora.triton_lora import lora_kernel  # noqa: E402
+pytest.importorskip("triton.backends.nvidia")  # (Triton's wheel for Linux x86-64 has it, ptxas included)
+ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture(autouse=True)
-def compiled(monkeypatch):
-    """Triton's compiler, not its interpreter, which conftest.py turns on for the other tests."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+@pytest.fixture(scope="module")
+def census() -> dict[str, dict[str, int]]:
+    """Each kernel's header line, and its PTX instructions of interest, counted."""
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ptx_census.py"), "--lora"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    kernels: dict[str, dict[str, int]] = {}
+    for line in run.stdout.splitlines():
+        if not line.startswith(" "):
+            kernels[line.split(":")[0]] = counts = {}
+        else:
+            n, word = line.split()
+            counts[word] = int(n)
+    return kernels
 
 
-def compile_for_hopper(fn, signature: dict[str, str], constexprs: dict, divisible_by_16: tuple[str, ...]):
-    fn = JITFunction(getattr(fn, "fn", fn))  # the kernel's Python function (an interpreted one, here)
-    signature = {**signature, **{name: "constexpr" for name in constexprs}}
-    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible_by_16}
-    return triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                          target=GPUTarget("cuda", 90, 32))
-
-
-@pytest.mark.parametrize("expand", [False, True], ids=["shrink", "expand"])
-@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "decode"])
-def test_the_lora_kernel_compiles(expand, grouped):
-    """Split-K's partial sums (4 here) written by the shrink and added up by the expand, in bfloat16."""
-    pointers = dict(x_ptr="*fp32" if expand else "*bf16", w_ptr="*bf16", out_ptr="*bf16" if expand else "*fp32",
-                    cols_ptr="*i32", order_ptr="*i64", starts_ptr="*i32", counts_ptr="*i32", slots_ptr="*i64",
-                    scaling_ptr="*fp32")
-    ints = dict.fromkeys(("K", "stride_x", "stride_w", "stride_slot", "stride_out", "stride_split"), "i32")
-    kernel = compile_for_hopper(lora_kernel, {**pointers, **ints}, dict(
-        NUM_PARTS=3 if expand else 1, EXPAND=expand, GROUPED=grouped, BLOCK_M=16 if grouped else 1, BLOCK_N=64,
-        BLOCK_K=16 if expand else 64, SPLIT_K=4, PRECISION="tf32"), (*pointers, *ints))
-    assert kernel.asm["cubin"] and ("mma.sync" in kernel.asm["ptx"]) == grouped  # tensor cores for the tiles
+def uses(counts: dict[str, int], prefix: str, *parts: str) -> bool:
+    return any(word.startswith(prefix) and all(part in word for part in parts) for word in counts)
 
 
 @pytest.mark.parametrize("cache", ["bf16", "fp8e4nv"])
-def test_the_paged_attention_kernel_compiles(cache):
-    """Qwen3-0.6B's decode shapes (2 query heads per KV head, head_dim 128, blocks of 16), either cache dtype."""
-    pointers = dict(out_ptr="*bf16", q_ptr="*bf16", k_cache_ptr=f"*{cache}", v_cache_ptr=f"*{cache}",
-                    block_tables_ptr="*i32", context_lens_ptr="*i32", cu_seqlens_q_ptr="*i32")
-    strides = dict.fromkeys(("stride_qt", "stride_qh", "stride_ot", "stride_oh", "stride_slot", "stride_kvh",
-                             "stride_bt"), "i32")
-    kernel = compile_for_hopper(paged_attention_kernel, {**pointers, "scale_log2e": "fp32", **strides, "window": "i32"},
-                                dict(BLOCK_SIZE=16, GROUP=2, GROUP_PAD=2, HEAD_DIM=128, HEAD_DIM_PAD=128, BLOCK_Q=8,
-                                     BLOCK_N=64, PRECISION="tf32"), (*pointers, *strides))
-    assert kernel.asm["cubin"] and "mma.sync" in kernel.asm["ptx"]
+def test_the_paged_attention_kernel_compiles(census, cache):
+    counts = census[f"paged_attention_kernel, {cache} cache, BLOCK_N 64"]
+    assert uses(counts, "mma") and uses(counts, "cp.async")  # tensor cores; K/V copied ahead of their use
+    # an fp8 cache's values are converted in the loop (e4m3 to float16, two at a time), a bfloat16 one's are not
+    assert uses(counts, "cvt", "e4m3") == (cache == "fp8e4nv")
+
+
+@pytest.mark.parametrize("expand", [False, True], ids=["shrink", "expand"])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "a-row-each"])
+def test_the_lora_kernel_compiles(census, expand, grouped):
+    """Split-K's partial sums (4 here) written by the shrink and added up by the expand, in bfloat16."""
+    counts = census[f"lora_kernel, {'expand' if expand else 'shrink'}, {'grouped' if grouped else 'a row each'}"]
+    assert uses(counts, "mma") == grouped  # tensor cores for a tile of rows, none for one row
