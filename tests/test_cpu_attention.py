@@ -22,11 +22,13 @@ pytestmark = pytest.mark.skipif(isinstance(KERNEL, str), reason=f"no kernel: {KE
 
 def run_backend(name: str, batch: list[tuple[int, int]], block_size: int, heads: int, kv_heads: int, dim: int,
                 seed: int = 0, cache_dtype: torch.dtype = torch.float32, kv_scale: float = 1.0,
-                round_kv_to: torch.dtype | None = None, device: str = "cpu") -> torch.Tensor:
+                round_kv_to: torch.dtype | None = None, device: str = "cpu",
+                q_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Store every sequence's whole context with the backend's store, in scattered blocks, then attend: batch is
     (context length after this step, new tokens) per sequence. The same seed gives the same K/V/q values.
     K/V are kv_scale times larger (q as much smaller); round_kv_to: rounded to that dtype before they are stored.
-    device: where the caches and the batch live (the same values: drawn on the CPU); the output comes back."""
+    device: where the caches and the batch live (the same values: drawn on the CPU); the output comes back.
+    q_dtype: the model's dtype, as q arrives in it."""
     gen = torch.Generator().manual_seed(seed)
     store, attend = attention_backend(name)
     blocks = [-(-ctx // block_size) for ctx, _ in batch]
@@ -40,7 +42,7 @@ def run_backend(name: str, batch: list[tuple[int, int]], block_size: int, heads:
         if round_kv_to is not None:
             k, v = (to_cache_dtype(x, round_kv_to).float() for x in (k, v))
         store(k.to(device), v.to(device), k_cache, v_cache, slots.to(device))
-    q = torch.randn(sum(q for _, q in batch), heads, dim, generator=gen).to(device) / kv_scale
+    q = (torch.randn(sum(q for _, q in batch), heads, dim, generator=gen) / kv_scale).to(device, q_dtype)
     i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([], dtype=torch.int64, device=device),

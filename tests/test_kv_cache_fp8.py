@@ -58,6 +58,17 @@ def test_reads_equal_float32_attention_over_the_rounded_values(backend, kv_scale
                               expected, atol=1e-3, rtol=1e-3)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or importlib.util.find_spec("triton") is None,
+                    reason="the Triton kernel in bfloat16 needs a GPU (the interpreter rounds bfloat16 by cutting)")
+def test_bfloat16_queries_over_an_fp8_cache_on_a_gpu():
+    """The engine's case on a GPU, a bfloat16 model with kv_cache_dtype="fp8": the Triton kernel converts K/V to
+    bfloat16 as it reads them; against float32 attention over the same rounded K/V, within bfloat16's rounding."""
+    expected = run_backend("torch", BATCH, 16, 4, 2, 16, round_kv_to=FP8)
+    out = run_backend("triton", BATCH, 16, 4, 2, 16, cache_dtype=FP8, device="cuda", q_dtype=torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
 @TRITON
 def test_triton_store_writes_the_pytorch_paths_bytes():
     g = torch.Generator().manual_seed(0)
