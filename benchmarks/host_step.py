@@ -136,10 +136,12 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
     full_collections, started = [], []
 
     def on_gc(phase: str, info: dict) -> None:  # the GC's own callback: (wall, CPU) of each full collection
-        if info["generation"] == 2:
-            started[:] = [(perf_counter(), thread_time())] if phase == "start" else started
-            if phase == "stop":
-                full_collections.append((perf_counter() - started[0][0], thread_time() - started[0][1]))
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            started[:] = perf_counter(), thread_time()
+        else:
+            full_collections.append((perf_counter() - started[0], thread_time() - started[1]))
 
     for i in range(warmup + steps):
         if i == warmup:

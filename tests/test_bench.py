@@ -1,4 +1,5 @@
 """bench.py runs end to end on a tiny random model and writes every figure (no timing assertions)."""
+import gc
 import importlib.util
 import json
 import re
@@ -208,5 +209,18 @@ def test_nanoserve_requests_ask_for_final_only_as_llm_generate_does(tiny_models)
         return add_request(request_id, prompt_token_ids, params, *args, **kwargs)
 
     llm.engine.add_request = recording_add_request
+    step, frozen = llm.engine.step, []  # and they run with the heap frozen, as LLM.generate's do
+    llm.engine.step = lambda: frozen.append(gc.get_freeze_count()) or step()
     result = bench.run_nanoserve(llm, [[5, 6, 7], [8, 9]], [3, 2], warmup=[4, 5])
     assert result["output_tokens"] == 5 and kinds == [bench.RequestOutputKind.FINAL_ONLY] * 3  # warm-up included
+    assert frozen and min(frozen) > 10_000 and gc.get_freeze_count() == 0
+
+
+def test_each_nanoserve_run_prints_its_figures_as_it_ends(tiny_models, capsys):
+    """A run cut short by a time limit (benchmarks/gpu_check.sh) keeps the figures of the runs it finished."""
+    import bench
+
+    args = bench.parse_args(["--model", tiny_models["qwen3"], "--peer", "none", *TINY_WORKLOAD])
+    bench.bench_nanoserve(tiny_models["qwen3"], args, [[5, 6, 7], [8, 9]], [3, 2], "float32")
+    assert re.search(r"^bench: nanoserve float32: done, tokens_per_s \S+, wall_s \S+, forward_s \S+, overhead_share "
+                     r"\S+ \(\d+ s in\)$", capsys.readouterr().out, re.M)

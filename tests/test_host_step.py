@@ -34,3 +34,12 @@ def test_host_step_times_each_decode_step_by_phase(persistent_batch, final_only,
         for kind in range(2):  # wall, CPU
             assert min(times[phase][i][kind] for phase in host_step.PHASES[:3]) >= 0
             assert abs(sum(times[phase][i][kind] for phase in host_step.PHASES) - step[kind]) < 1e-9
+
+
+def test_full_collections_in_the_timed_steps_are_timed(monkeypatch):
+    """A full collection that falls in a timed step (here forced, in the last step's front end) is reported."""
+    updates, update = [], host_step.RequestState.update
+    monkeypatch.setattr(host_step.RequestState, "update",
+                        lambda s, out: updates.append(1) or (len(updates) == 4 * 6 and gc.collect()) or update(s, out))
+    times = host_step.measure(num_seqs=4, steps=3, warmup=1, temperature=0.0)
+    assert len(updates) == 4 * 6 and len(times["full GC"]) == 1 and times["full GC"][0][0] > 0

@@ -3,6 +3,7 @@
 One tensor-parallel LLM per model (each start spawns a worker): heads that split evenly for the three
 architectures, and 4 heads sharing 1 KV head, which every rank must replicate.
 """
+import gc
 import math
 import multiprocessing
 import os
@@ -39,6 +40,13 @@ def no_process_left(procs: list) -> bool:
     return not any(p.is_alive() for p in procs) and not multiprocessing.active_children() and not dist.is_initialized()
 
 
+def frozen_objects(runner) -> list[int] | None:
+    """Every rank's count of objects the garbage collector leaves frozen, gathered on rank 0 (run on each rank)."""
+    counts = [0] * N if runner.rank == 0 else None
+    dist.gather_object(gc.get_freeze_count(), counts, dst=0)
+    return counts
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     path = models[case]
@@ -66,6 +74,8 @@ def test_tensor_parallel_equals_one_process_and_transformers(models, case):
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert len(shapes) == N
+    # A worker froze its heap once its part of the model was built (it lives until the process ends, as vLLM's)
+    assert llm.engine.executor.call("apply", frozen_objects)[1] > 10_000
     for rank_shapes in shapes:
         assert rank_shapes.keys() == full_shapes.keys()
         for name, full in full_shapes.items():

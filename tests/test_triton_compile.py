@@ -49,3 +49,12 @@ def test_the_lora_kernel_compiles(census, expand, grouped):
     """Split-K's partial sums (4 here) written by the shrink and added up by the expand, in bfloat16."""
     counts = census[f"lora_kernel, {'expand' if expand else 'shrink'}, {'grouped' if grouped else 'a row each'}"]
     assert uses(counts, "mma") == grouped  # tensor cores for a tile of rows, none for one row
+
+
+def test_the_census_says_why_it_cannot_compile_with_the_interpreter_on(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import ptx_census
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (conftest.py's setting, said out loud)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1: Triton's interpreter is on"):
+        ptx_census.paged_attention("bf16")
