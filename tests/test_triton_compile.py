@@ -39,8 +39,10 @@ def uses(counts: dict[str, int], prefix: str, *parts: str) -> bool:
 def test_the_paged_attention_kernel_compiles(census, cache):
     counts = census[f"paged_attention_kernel, {cache} cache, BLOCK_N 64"]
     assert uses(counts, "mma") and uses(counts, "cp.async")  # tensor cores; K/V copied ahead of their use
-    # an fp8 cache's values are converted in the loop (e4m3 to float16, two at a time), a bfloat16 one's are not
+    # an fp8 cache's values are converted in the loop (e4m3 to float16, two at a time), a bfloat16 one's are not;
+    # over an fp8 cache the dots run in float16, so no value takes a second conversion (float16 to bfloat16)
     assert uses(counts, "cvt", "e4m3") == (cache == "fp8e4nv")
+    assert uses(counts, "mma", "f16.f16") == (cache == "fp8e4nv") and not uses(counts, "cvt.bf16.f16")
 
 
 @pytest.mark.parametrize("expand", [False, True], ids=["shrink", "expand"])

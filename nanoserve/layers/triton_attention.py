@@ -85,6 +85,10 @@ def paged_attention_kernel(
     dim_ok = dims < HEAD_DIM
     q = tl.load(q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
+    # fp8 converts to float16 in one instruction, to bfloat16 in two (through float16): a bfloat16 model's dots
+    # over an fp8 cache run in float16 (benchmarks/ptx_census.py counts them).
+    if k_cache_ptr.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+        q = q.to(tl.float16)
 
     # Online softmax (flash attention): walk the context BLOCK_N keys at a time and keep, per row, the running
     # max m_i, the running sum l_i of exp(score - m_i) and the running output acc. When a larger max turns up, the
