@@ -43,6 +43,7 @@ import sys
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 from time import perf_counter
 
 import nanoserve  # noqa: F401  first: its CPU thread defaults (nanoserve/utils/threads.py) precede torch's OpenMP
@@ -103,8 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=workload_help(),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="model folder or hub id (default: the embedded SmolLM2-135M)")
-    p.add_argument("--random-weights", action="store_true",
-                   help="the model folder holds only a config.json: benchmark seeded random weights")
+    p.add_argument("--random-weights", nargs="?", const=True, default=False, metavar="FOLDER",
+                   help="the model folder holds only a config.json: benchmark seeded random weights; with a "
+                        "FOLDER, they are written there once and later runs given it read them (gpu_check.sh)")
     p.add_argument("--dtype", default="auto",
                    help="comma-separated: nanoserve runs once per dtype (auto, float32, bfloat16, float16); "
                         "the transformers peers run the first (default: auto, float32 on CPU, bfloat16 on CUDA)")
@@ -798,6 +800,18 @@ def multi_turn(path: str, args, vocab_size: int, machine_info: dict) -> dict:
     return report
 
 
+def random_weights(config_dir: str, seed: int, folder: str) -> str:
+    """A checkpoint of config_dir's architecture with seeded random weights, in folder. Making them takes seconds
+    (a GPU machine's every bench.py run spent them): a folder that holds this config's and seed's is reused."""
+    made = {"config": Path(config_dir, "config.json").read_text(), "seed": seed}
+    marker = Path(folder, "random_weights.json")
+    if not (marker.exists() and json.loads(marker.read_text()) == made):
+        torch.manual_seed(seed)
+        AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config_dir)).save_pretrained(folder)
+        marker.write_text(json.dumps(made))  # last: a run cut short while writing leaves no marker
+    return folder
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     if args.threads:
@@ -808,9 +822,8 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="nanoserve-bench-") as tmp:
         path = resolve_model(args.model)
         if args.random_weights:  # e.g. benchmarks/qwen3-0.6b: no checkpoint needed to measure speed
-            torch.manual_seed(args.seed)
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(tmp)
-            path = tmp
+            path = random_weights(path, args.seed, tmp if args.random_weights is True else args.random_weights)
+            progress(f"random weights in {path}")
         hf_config = AutoConfig.from_pretrained(path)
         if args.multi_turn:
             return multi_turn(path, args, hf_config.vocab_size, machine_info)

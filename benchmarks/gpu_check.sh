@@ -10,7 +10,8 @@
 # runs past it is named in the summary, and the rest still run; the parts come in the order of what matters most.
 # On an H200 (2026-11-27) the parts up to paged_attention took 285 s, each bench.py run about 30 s of it before
 # its first request (random weights written, CUDA graphs captured, Triton compiling): the whole script is about
-# 6.5 minutes with the machine's start, not the 5 asked (docs/benchmarks.md).
+# 6.5 minutes with the machine's start, not the 5 asked (docs/benchmarks.md). Since, the runs share one folder of
+# random weights, made once (12.5 s a run on a 2-core CPU machine; bench.py prints when they are ready).
 # 1. the CUDA tests, 8 pytest-xdist workers: greedy float32 equal to transformers under every option
 #    (tests/test_cuda.py; the pool sized from free memory alone, after), the Triton kernels natively (attention,
 #    elementwise, the fp8 KV cache, LoRA's); beside them, on the CPU, the host time per decode step at 256
@@ -53,7 +54,10 @@ part() {  # part NAME SECONDS COMMAND...: run it under a time limit, its output 
     echo "$name: $verdict, $((SECONDS - t0)) s" | tee -a "$out/status.txt"
 }
 
-workload=(--nano-vllm --model benchmarks/qwen3-0.6b --random-weights --peer none)
+# Qwen3-0.6B's config with seeded random weights, made by the first run that needs them and read by the others
+weights=$(mktemp -d)
+trap 'rm -rf "$weights"' EXIT
+workload=(--nano-vllm --model benchmarks/qwen3-0.6b --random-weights "$weights" --peer none)
 # CPU only: beside the tests, not beside a timed GPU run; the core's input loops, then the persistent batch (CUDA's)
 part host_step 120 bash -c "python benchmarks/host_step.py && python benchmarks/host_step.py --persistent-batch \
     && python benchmarks/host_step.py --persistent-batch --final-only" &
@@ -68,9 +72,10 @@ part sync 60 python bench.py "${workload[@]}" --json "$out/sync.json"
 part lora 100 python bench.py "${workload[@]}" --async-scheduling --num-prompts 128 --output-len 64 128 --lora 4 \
     --json "$out/lora.json"
 part paged_attention 30 python benchmarks/paged_attention.py --block-n 64,128
-part multi_turn 45 python bench.py --multi-turn --model benchmarks/qwen3-0.6b --random-weights --peer none \
+part multi_turn 45 python bench.py --multi-turn --model benchmarks/qwen3-0.6b --random-weights "$weights" --peer none \
     --num-prompts 8 --turns 3 --json "$out/multi_turn.json"
-part profile 40 python benchmarks/profile_decode.py --model benchmarks/qwen3-0.6b --random-weights --num-seqs 256
+part profile 40 python benchmarks/profile_decode.py --model benchmarks/qwen3-0.6b --random-weights "$weights" \
+    --num-seqs 256
 
 python - "$out" <<'EOF'
 """summary.md: the device, then every figure of the run (the JSON reports' results and ratios, the logs' tables)."""

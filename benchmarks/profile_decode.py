@@ -20,8 +20,8 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
+from bench import random_weights  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.utils.default_model import resolve_model  # noqa: E402
 
@@ -42,7 +42,8 @@ def category(name: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--random-weights", action="store_true", help="the config's architecture with random weights")
+    p.add_argument("--random-weights", nargs="?", const=True, default=False, metavar="FOLDER",
+                   help="the config's architecture with seeded random weights (in FOLDER: as bench.py's)")
     p.add_argument("--num-seqs", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=5, help="decode steps profiled")
@@ -52,8 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = resolve_model(args.model)
         if args.random_weights:
-            AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path)).save_pretrained(tmp)
-            path = tmp
+            path = random_weights(path, 0, tmp if args.random_weights is True else args.random_weights)
         llm = LLM(path, enforce_eager=True, max_num_seqs=args.num_seqs, elementwise_backend=args.elementwise_backend,
                   kv_cache_dtype=args.kv_cache_dtype)
         engine, cuda = llm.engine, llm.engine.config.device == "cuda"

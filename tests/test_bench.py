@@ -2,6 +2,7 @@
 import gc
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import CONFIGS
@@ -224,3 +226,24 @@ def test_each_nanoserve_run_prints_its_figures_as_it_ends(tiny_models, capsys):
     bench.bench_nanoserve(tiny_models["qwen3"], args, [[5, 6, 7], [8, 9]], [3, 2], "float32")
     assert re.search(r"^bench: nanoserve float32: done, tokens_per_s \S+, wall_s \S+, forward_s \S+, overhead_share "
                      r"\S+ \(\d+ s in\)$", capsys.readouterr().out, re.M)
+
+
+def test_random_weights_in_a_folder_are_made_once_and_read_by_later_runs(config_only, tmp_path, monkeypatch):
+    """benchmarks/gpu_check.sh gives every run one folder (`--random-weights FOLDER`): the first run writes the
+    seeded weights, the next ones find them; another seed (or config) writes its own."""
+    import bench
+
+    folder = str(tmp_path / "weights")
+    os.makedirs(folder)
+    assert bench.random_weights(config_only, 0, folder) == folder
+    first = load_file(os.path.join(folder, "model.safetensors"))
+    made = []
+    monkeypatch.setattr(bench.AutoModelForCausalLM, "from_config",
+                        lambda config, _make=bench.AutoModelForCausalLM.from_config: made.append(1) or _make(config))
+    bench.random_weights(config_only, 0, folder)
+    assert made == []  # read, not made again
+    bench.random_weights(config_only, 1, folder)
+    second = load_file(os.path.join(folder, "model.safetensors"))
+    assert made == [1] and not torch.equal(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"])
+    assert bench.parse_args(["--random-weights", folder]).random_weights == folder
+    assert bench.parse_args(["--random-weights", "--peer", "none"]).random_weights is True
