@@ -107,6 +107,23 @@ def test_sampling_options_equal_the_cpu_engine(tiny_models):
             assert all(abs(x[i].logprob - y[i].logprob) < 1e-4 for i in x)
 
 
+def test_async_steps_never_make_the_host_wait(tiny_models, expected):
+    """Async scheduling: the host plans and launches step N+1 while N runs, so nothing in a step may synchronize
+    (CUDA's sync debug mode raises on a blocking copy or a read of a device tensor; the wait for a step's own
+    sampled ids is an event, which it does not count). A blocking copy held the host until the step in flight
+    ended, and the GPU idled while the next one launched (docs/benchmarks.md, async overhead)."""
+    prompts, answers = expected
+    llm = LLM(tiny_models["qwen3"], dtype="float32", async_scheduling=True, **POOL)
+    llm.generate(prompts, GREEDY, use_tqdm=False)  # warm-up: Triton compiles, pinned buffers are made
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert [o.outputs[0].token_ids for o in outputs] == answers["qwen3"]
+
+
 def test_host_pool_copies_run_on_a_side_stream_without_synchronizing(tiny_models):
     """The host tier's copies (host_kv_pool.py) out to its page-locked, block-first pool and back: no copy makes
     the host wait (CUDA's sync debug mode raises on one that does), and the compute stream's next work sees them."""

@@ -52,6 +52,30 @@ def test_batch_queue_overlaps_steps_and_drops_the_token_after_the_finish(tiny_mo
     assert_idle(engine)
 
 
+def test_the_batch_queue_makes_no_blocking_copy_to_the_device(tiny_models, monkeypatch):
+    """The batch queue's point: the host plans and launches step N+1 while N runs. A blocking copy to the device
+    (torch.tensor(..., device=...) is one) would hold the host until N ends, and a GPU would sit idle while N+1
+    launches. So every input of a step, the placeholders' rows included, goes through to_device (pinned,
+    non-blocking on CUDA); tests/test_cuda.py checks the same on a GPU with CUDA's sync debug mode."""
+    expected = hf_greedy(tiny_models["qwen3"], PROMPTS, 6)
+    engine = LLM(tiny_models["qwen3"], **OPTIONS, async_scheduling=True).engine
+    blocking, tensor = [], torch.tensor
+
+    def recording_tensor(data, *args, device=None, **kwargs):
+        blocking.extend([device] if device is not None else [])
+        return tensor(data, *args, device=device, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", recording_tensor)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(str(i), prompt, greedy(6))
+    outputs = {}
+    drain(engine, outputs)
+    assert blocking == []
+    # (the placeholders were filled: each decode computed the token sampled the step before)
+    assert [sum((o.new_token_ids for o in outputs[str(i)]), []) for i in range(3)] == expected
+    assert_idle(engine)
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_a_failed_forward_fails_exactly_its_requests(tiny_models, monkeypatch, async_scheduling):
     """The default policy prefills a newcomer in a step of its own: when that forward raises, the newcomer

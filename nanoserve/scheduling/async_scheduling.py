@@ -14,7 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.input_batch import ModelInput, to_device
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
@@ -112,7 +112,9 @@ class BatchQueueEngineCore(EngineCore):
         # A placeholder the previous step has no token for: that step failed, and so did the request.
         rows = [(row, prev_rows[i]) for row, i in inputs.extras.get("placeholders", []) if i in prev_rows]
         if rows:
-            dst, src = (torch.tensor(x, device=inputs.input_ids.device) for x in zip(*rows))
+            # Pinned and non-blocking, as every input of a step: a blocking copy would hold the host until the step
+            # in flight ends, and the GPU would sit idle while this one launches.
+            dst, src = (to_device(x, torch.int64, inputs.input_ids.device) for x in zip(*rows))
             inputs.input_ids[dst] = prev_tokens[src]
 
     def fail_all(self, error: BaseException) -> list[EngineCoreOutput]:
