@@ -247,3 +247,15 @@ def test_random_weights_in_a_folder_are_made_once_and_read_by_later_runs(config_
     assert made == [1] and not torch.equal(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"])
     assert bench.parse_args(["--random-weights", folder]).random_weights == folder
     assert bench.parse_args(["--random-weights", "--peer", "none"]).random_weights is True
+
+
+def test_profile_decode_reads_the_shared_random_weights(config_only, tmp_path):
+    """benchmarks/profile_decode.py (a GPU tool; on CPU it lists PyTorch's ops) takes bench.py's weights folder,
+    as gpu_check.sh gives it: it finds them there, or writes them for the next run."""
+    folder = tmp_path / "weights"
+    folder.mkdir()
+    cmd = [sys.executable, "benchmarks/profile_decode.py", "--model", config_only, "--random-weights", str(folder),
+           "--num-seqs", "4", "--prompt-len", "16", "--steps", "2"]
+    out = subprocess.run(cmd, cwd=ROOT, check=True, timeout=300, capture_output=True, text=True).stdout
+    assert (folder / "random_weights.json").exists() and (folder / "model.safetensors").exists()
+    assert re.search(r"^CPU: 2 decode steps of 4 sequences", out, re.M) and "top kernels:" in out
