@@ -9,10 +9,10 @@ import pytest
 from test_scheduling_random import check_books, check_step, next_token, random_config, unconstrained, write_and_check_kv
 
 from conftest import make_scheduler
-from nanoserve.engine.block_manager import BlockManager, compute_hash
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.seams import Seams
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, compute_hash
 from nanoserve.kv_offload import HostKVTier
 from nanoserve.sampling_params import SamplingParams
 

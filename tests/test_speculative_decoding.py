@@ -19,9 +19,9 @@ from conftest import (
 )
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.engine.block_manager import BlockManager, compute_hash
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, compute_hash
 from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 MAX_TOKENS = 32
