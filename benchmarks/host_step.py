@@ -96,8 +96,8 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
         llm = LLM(tmp, device="cpu", max_num_seqs=num_seqs, max_model_len=max_len, attention_backend="torch",
                   num_kvcache_blocks=num_seqs * (max_len // 16 + 2))
     engine = llm.engine
-    if persistent_batch:  # the input_batch seam, as chapters.build_engine plugs it in on CUDA
-        engine.input_builder.input_batch = InputBatch(engine.config.block_size).flatten
+    if persistent_batch:  # the persistent batch's InputBuilder, as chapters.build_engine builds it on CUDA
+        engine.input_builder = InputBatch.from_config(engine.config)
     vocab = engine.config.hf_config.vocab_size
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,

@@ -2,16 +2,19 @@
 its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
 (the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
 where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
-A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and always with async
-scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the sequence whose token it awaits)).
+A performance chapter: InputBatch is the core's InputBuilder with its own `flatten`; nanoserve/chapters.py builds
+it on CUDA and always with async scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the
+sequence whose token it awaits)).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
 is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
 shorter one, or a step with copy-on-write copies (the last block replaced in place).
 """
+from dataclasses import dataclass
+
 import numpy as np
 
-from nanoserve.engine.input_batch import PARAMS, StepArrays
+from nanoserve.engine.input_batch import PARAMS, InputBuilder, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 
@@ -26,11 +29,12 @@ def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
     return new
 
 
-class InputBatch:
-    """The rows of the sequences the last steps scheduled; a row is reused once its sequence is gone."""
+@dataclass
+class InputBatch(InputBuilder):
+    """The InputBuilder that keeps the rows of the sequences the last steps scheduled; a row is reused once its
+    sequence is gone."""
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    def __post_init__(self) -> None:
         self.row_of: dict[Sequence, int] = {}
         self.step_seqs: list[Sequence] = []  # the sequences of the step being flattened keep their rows
         self.num_tokens: list[int] = []  # how many of its token ids each row holds (token_ids only grow)
@@ -43,8 +47,8 @@ class InputBatch:
         self.free_rows: list[int] = []
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
-        """Bring the rows of out's sequences up to date, then gather the step's inputs from them (the seam
-        Seams.input_batch: what InputBuilder.flatten builds)."""
+        """Bring the rows of out's sequences up to date, then gather the step's inputs from them (what the
+        core's InputBuilder.flatten builds with its loops)."""
         self.step_seqs = out.seqs
         rewrite_blocks = bool(out.blocks_to_copy)  # copy-on-write replaced a last block in place
         rows = np.array([self._sync(seq, rewrite_blocks) for seq in out.seqs], np.int64)

@@ -99,8 +99,9 @@ class BeamScheduler:
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
         if self.config.async_scheduling:  # each step's beams decide the next batch: it cannot be planned ahead
-            raise ValueError("beam search: not with async_scheduling=True (the next step's batch depends on "
-                             "this step's beams); create the LLM with async_scheduling=False")
+            raise ValueError("beam search: not with async scheduling (the next step's batch depends on this "
+                             "step's beams; it is on by default on CUDA): create the LLM with "
+                             "async_scheduling=False")
         if self.config.enable_chunked_prefill and params.beam_width > self.config.max_num_batched_tokens:
             # a step that runs part of a request's beams computes them again with the others the next step:
             # a budget below the width would never run them all

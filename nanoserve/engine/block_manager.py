@@ -16,6 +16,8 @@ class BlockManager:
     """A pool of KV blocks shared by reference counting. Prefix caching: a prompt reuses full computed blocks by
     chained hash; a freed block keeps its hash until handed out again (its KV may go to seams.kv_cache_tier)."""
 
+    null_block: int | None = None  # a block that stands in a table for KV nobody needs any more (vLLM's): none
+
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None):
         self.num_blocks, self.block_size = num_blocks, block_size

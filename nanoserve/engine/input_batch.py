@@ -1,7 +1,7 @@
 """A step's plan (SchedulerOutput) -> the tensors the model and the sampler take (ModelInput), built on the host
 with plain loops over the batch's tokens, as nano-vllm's prepare_prefill/prepare_decode do. Where host time
-matters (CUDA, async scheduling) the persistent input batch (persistent_batch.py) builds the same host arrays
-from rows kept between steps (the seam Seams.input_batch). tests/test_input_batch.py needs no model."""
+matters (CUDA, async scheduling) the persistent input batch (persistent_batch.py, a subclass) builds the same
+host arrays from rows kept between steps. tests/test_input_batch.py needs no model."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,9 +68,8 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
-    # The seams (engine/seams.py); input_batch None: the plain loops (flatten).
+    # The seams (engine/seams.py).
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
-    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None
     extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
 
     @classmethod
@@ -83,7 +82,7 @@ class InputBuilder:
         logits are needed: the last one of each sequence that samples."""
         if not out.seqs:  # everyone was preempted this step
             return None
-        step = (self.input_batch or self.flatten)(out)
+        step = self.flatten(out)
         meta = self.attention_metadata(step.block_tables, step.slot_mapping, step.q_lens, step.context_lens)
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens, one per fork.
         rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)

@@ -113,7 +113,11 @@ class Scheduler:
         return budget
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Recompute: seq's request gives its KV blocks back and waits at the front, to prefill again."""
+        """Make room: seq's request stops running (here by recompute; the swap chapter copies its KV out)."""
+        self._preempt_by_recompute(seq, out)
+
+    def _preempt_by_recompute(self, seq: Sequence, out: SchedulerOutput) -> None:
+        """seq's request gives its KV blocks back and waits at the front, to prefill again."""
         for s in reversed(self._take_running(seq, out)):
             self.block_manager.deallocate(s)
             s.status = SequenceStatus.WAITING

@@ -53,8 +53,6 @@ class Seams:
     #    (structured_outputs: compile the grammar).
     request_checks: dict[str, Callable[[object], None]] = field(default_factory=dict)
     request_options: dict[str, Callable[[Request], None]] = field(default_factory=dict)
-    # 2. The scheduler's class: the chapters in nanoserve/scheduling/ (swap, priority) subclass the core's Scheduler.
-    scheduler_class: type | None = None
     # 3. Admission (Scheduler._next_waiting): (waiting sequence, the scheduler, the plan so far) -> may it join this
     #    step? One that may not keeps its place; those behind it may go (seed 001's curr_loras: LoRA's max_loras).
     admits: list[Callable[[Sequence, object, SchedulerOutput], bool]] = field(default_factory=list)
@@ -95,15 +93,9 @@ class Seams:
     after_step: list[AfterStep] = field(default_factory=list)
     # 15. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
-    # 16. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
-    #    process's ModelRunner alone (engine/model_runner.py's Executor).
-    executor_class: type | None = None
     # 17. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
     #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
     kv_cache_tier: KVCacheTier | None = None
-    # 18. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
-    #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
-    input_batch: Callable | None = None
     # 19. More logits rows (InputBuilder.prepare_inputs), by feature: (plan, sampling rows, the first free logits
     #     row) -> (batch rows whose logits it wants too, its state, kept in ModelInput.extras[name]) (logprobs.py).
     extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
@@ -112,9 +104,6 @@ class Seams:
     # 21. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
     #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
     kv_connector: KVConnector | None = None
-    # 22. The block manager's class, for the device pool and the swap pool: (num_blocks, block_size,
-    #    enable_prefix_caching, seams) -> a BlockManager (sliding_window/: frees the blocks behind the window).
-    block_manager_class: Callable | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)

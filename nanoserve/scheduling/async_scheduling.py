@@ -42,8 +42,8 @@ class BatchQueueEngineCore(EngineCore):
     """The EngineCore with vLLM's batch queue: (plan, future) of the steps in flight (num_batches_in_flight).
     On CPU or with stages a thread runs the forwards (not with a draft model: it reads what planning changes)."""
 
-    def __init__(self, config, seams=None):
-        super().__init__(config, seams)
+    def __init__(self, config, seams=None, **parts):
+        super().__init__(config, seams, **parts)
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.forward_thread = None
         if (config.device == "cpu" or config.pipeline_parallel_size > 1) and config.draft_hf_config is None:

@@ -30,14 +30,14 @@ class PriorityScheduler(Scheduler):
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """While the most urgent waiting request lacks blocks or a seat, less urgent running ones give theirs up,
-        least urgent first. They recompute (the core's preempt, also with swap: a swapped victim would come back
-        before the newcomer, which is waiting, and take its blocks back)."""
-        if not self.waiting or getattr(self, "swapped", None):
+        least urgent first. They recompute, also with swap: a swapped victim would come back before the newcomer,
+        which is waiting, and take its blocks back (where priority meets swap: nanoserve/chapters.py)."""
+        if not self.waiting:
             return
         seq = self.waiting[0]
         while (self.running and priority_key(self.running[-1]) > priority_key(seq) and (
                 num_seats(seq) > self.num_free_seats() or not self.block_manager.can_allocate(seq))):
-            Scheduler.preempt(self, self.running.pop(), out)
+            self._preempt_by_recompute(self.running.pop(), out)
             self.stats.num_priority_preemptions += 1
 
 

@@ -18,7 +18,7 @@ NULL_BLOCK = 0
 
 
 class SlidingWindowBlockManager(BlockManager):
-    null_block = NULL_BLOCK  # (scheduling/swap.py moves the other entries of a table, and keeps this one)
+    null_block = NULL_BLOCK
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None, *, sliding_window: int):
