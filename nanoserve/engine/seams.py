@@ -54,7 +54,7 @@ class Seams:
     request_checks: dict[str, Callable[[object], None]] = field(default_factory=dict)
     request_options: dict[str, Callable[[Request], None]] = field(default_factory=dict)
     # 3. Admission (Scheduler._next_waiting): (waiting sequence, the scheduler, the plan so far) -> may it join this
-    #    step? One that may not keeps its place; those behind it may go (seed 001's curr_loras: LoRA's max_loras).
+    #    step? One that may not keeps its place; those behind it may go (vLLM v0.6.3's curr_loras: LoRA's max_loras).
     admits: list[Callable[[Sequence, object, SchedulerOutput], bool]] = field(default_factory=list)
     # 4. Running (Scheduler._schedule_running): (a request's running sequences) -> must they sit this step out?
     #    (async scheduling: a token they need is still in flight.)

@@ -1,5 +1,5 @@
 """The LoRA feature's engine side (vLLM's LoRA manager): adapters read into host memory (an LRU of max_cpu_loras),
-max_loras device slots loaded between steps, the scheduler's cap on adapters per step (seed 001's curr_loras),
+max_loras device slots loaded between steps, the scheduler's cap on adapters per step (vLLM v0.6.3's curr_loras),
 and each step's row -> slot mapping. It runs on the process that plans; what it decides for the slots and rows,
 every rank's LoRASlots (layers.py) carries out."""
 import threading
@@ -72,8 +72,8 @@ class LoRAManager:
 
     # ---- scheduling: at most max_loras adapters in the running batch ----------------------------------
     def admits(self, seq: Sequence, scheduler, out: SchedulerOutput) -> bool:
-        """The scheduler's admission seam (seed 001): may seq join the running ones without making more than
-        max_loras adapters among them? Base-model requests always may."""
+        """The scheduler's admission seam (vLLM v0.6.3's scheduler): may seq join the running ones
+        without making more than max_loras adapters among them? Base-model requests always may."""
         if seq.lora_request is None:
             return True
         in_use = {s.lora_request.lora_int_id for s in scheduler.running if s.lora_request is not None}

@@ -1,5 +1,6 @@
-"""Async scheduling (async_scheduling=True, seed 002): vLLM's batch queue. The engine plans step N+1 and builds its
-inputs while step N's forward runs (on the GPU, or in a thread on CPU), then waits for N and takes its output in.
+"""Async scheduling (async_scheduling=True), as vLLM's async scheduling does it: a batch queue. The
+engine plans step N+1 and builds its inputs while step N's forward runs (on the GPU, or in a thread
+on CPU), then waits for N and takes its output in.
 
 Planning N+1 before N's token is known works because the core already counts a token a step is sampling as a
 placeholder (Sequence.num_output_placeholders, in len(seq)): N+1 computes it at the right position, and this

@@ -1,4 +1,4 @@
-"""Priority scheduling (scheduling_policy="priority", seed 001's V0 scheduler): every queue is sorted by
+"""Priority scheduling (scheduling_policy="priority", vLLM v0.6.3's scheduler): every queue is sorted by
 (priority, arrival), lower values first, so the head of waiting is the most urgent request and the tail of running
 the first to give its blocks up; and an urgent newcomer that lacks blocks or a seat takes them from less urgent
 running requests (V0's _schedule_priority_preemption). The core's FCFS scheduler is this with one priority."""

@@ -1,6 +1,6 @@
-"""Swap preemption (preemption_mode="swap", seeds 001 and 004): a preempted request's KV blocks are copied to a pool
-in host memory instead of being dropped, and copied back when there is room, so it goes on where it stopped
-instead of prefilling again.
+"""Swap preemption (preemption_mode="swap"; vLLM v0.6.3's scheduler, early vLLM's block manager): a
+preempted request's KV blocks are copied to a pool in host memory instead of being dropped, and
+copied back when there is room, so it goes on where it stopped instead of prefilling again.
 
 The host pool has its own BlockManager (the same books: ref counts, so blocks a request's sequences share move
 once and stay shared) over a tensor each rank allocates (host_kv_pool.py: kv_pools["swap_space"]). SwapScheduler is the
