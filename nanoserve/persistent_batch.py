@@ -67,7 +67,7 @@ class InputBatch(InputBuilder):
         input_ids[placeholders] = 0
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per fork. (Nothing is
-        # drawn for raw_logits: a beam's row is the beam search's, seam 19.)
+        # drawn for raw_logits: a beam's row is the beam search's, at the extra_logits_rows seam.)
         drawn = np.array([do_sample and not seq.raw_logits for seq, do_sample in zip(out.seqs, out.do_sample)])
         counts = drawn * (1 + num_drafts + np.array([len(f) for f in out.forks]))
         sampler = np.repeat(np.arange(n), counts)

@@ -40,7 +40,7 @@ class StepArrays:
 @dataclass
 class ModelInput:
     """One step's batch as tensors. Rows of logits_rows: first one per sequence that samples (a request's
-    n > 1 forks repeat its row), in `sample_seq_ids` order; then those features add (seam 19)."""
+    n > 1 forks repeat its row), in `sample_seq_ids` order; then those features add (the extra_logits_rows seam)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -49,7 +49,7 @@ class ModelInput:
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
-    # A feature's state: for its logits rows (seam 19); async scheduling's placeholders (persistent_batch.py).
+    # A feature's state: for its logits rows (extra_logits_rows); async scheduling's placeholders (persistent_batch.py).
     extras: dict[str, object] = field(default_factory=dict)
 
 
