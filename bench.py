@@ -364,7 +364,7 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto",
     result = run_nanoserve(llm, prompts, output_lens, warmup, loras)
     config = llm.engine.config
     result.update(dtype=config.dtype, device=config.device, block_size=config.block_size,
-                  async_scheduling=config.async_scheduling, max_num_seqs=config.max_num_seqs,
+                  async_scheduling=config.scheduler_config.async_scheduling, max_num_seqs=config.max_num_seqs,
                   elementwise_backend=config.elementwise_backend, attention_backend=config.attention_backend,
                   kv_cache_dtype=config.kv_cache_dtype,
                   enable_chunked_prefill=config.enable_chunked_prefill,

@@ -38,7 +38,9 @@ class PrioritySwapScheduler(PriorityScheduler, SwapScheduler):
 
 def scheduler_class(config: Config) -> type[Scheduler]:
     """The core's Scheduler, or the subclass of the scheduler designs the config asks for (scheduling/)."""
-    priority, swap = config.scheduling_policy == "priority", config.preemption_mode == "swap"
+    scheduling = config.scheduler_config
+    priority = scheduling.scheduling_policy == "priority"
+    swap = scheduling.preemption_mode == "swap"
     if priority:
         return PrioritySwapScheduler if swap else PriorityScheduler
     return SwapScheduler if swap else Scheduler
@@ -49,7 +51,7 @@ def build_engine(config: Config) -> EngineCore:
     from nanoserve.parallel.torchrun import launched_by_torchrun
 
     seams, parts = Seams(), {"scheduler_class": scheduler_class(config)}
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or launched_by_torchrun():
+    if config.parallel_config.world_size > 1 or launched_by_torchrun():
         from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
 
         parts["executor_class"] = MultiprocExecutor
@@ -58,18 +60,19 @@ def build_engine(config: Config) -> EngineCore:
 
         if (block_manager_class := window_block_manager(config)) is not None:
             parts["block_manager_class"] = block_manager_class
-    if config.scheduling_policy == "priority":  # generate(..., priority=[...]): scheduling/priority.py
+    scheduling = config.scheduler_config
+    if scheduling.scheduling_policy == "priority":  # generate(..., priority=[...]): priority.py
         seams.request_checks["priority"] = check_priority
-    if config.device.startswith("cuda") or config.async_scheduling:  # where host time matters: persistent_batch.py
+    if config.device.startswith("cuda") or scheduling.async_scheduling:  # persistent_batch.py
         from nanoserve.persistent_batch import InputBatch
 
         parts["input_builder_class"] = InputBatch
     engine_class = EngineCore
-    if config.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
+    if scheduling.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
         from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
     engine = engine_class(config, seams, **parts)
     try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
-        if config.preemption_mode == "swap":  # the swap pool in host memory, in the device pool's class
+        if scheduling.preemption_mode == "swap":  # the swap pool, in the device pool's class
             plug_in_swap(engine, parts.get("block_manager_class", BlockManager))
         plug_in_chapters(engine)
     except BaseException:
@@ -85,7 +88,7 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.spec_decode import plug_in
 
         plug_in(engine)
-    if config.kv_offloading_size > 0:  # the prefix cache's host tier: kv_offload/
+    if config.kv_offload_config is not None:  # the prefix cache's host tier: kv_offload/
         from nanoserve.kv_offload import plug_in as plug_in_host_tier
 
         plug_in_host_tier(engine)
@@ -93,11 +96,11 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
 
         plug_in_kv_transfer(engine)
-    if config.enable_lora:  # LoRA adapters: lora/
+    if config.lora_config is not None:  # LoRA adapters: lora/
         from nanoserve.lora import LoRAManager
 
         LoRAManager.plug_in(engine)
-    if config.trace:  # step records: step_records.py (the dashboard adds its own observer)
+    if config.observability_config.trace:  # step records: step_records.py (the dashboard: its own)
         step_recorder(engine, keep=True)
     # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,
     # and from stopping tensor-parallel workers, at once.)

@@ -1,4 +1,3 @@
-import math
 import os
 from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
@@ -7,11 +6,20 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer, GenerationConfig, PretrainedConfig
 
+from nanoserve.chapter_configs import (
+    SWITCHES,
+    KVOffloadConfig,
+    LoRAConfig,
+    ObservabilityConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SlidingWindowConfig,
+)
 from nanoserve.kv_transfer_config import KVTransferConfig
-from nanoserve.lora_request import validate_lora_options
 from nanoserve.speculative_config import SpeculativeConfig
 from nanoserve.utils.backends import build_cpu_kernels, pick_attention_backend, pick_elementwise_backend
 from nanoserve.utils.default_model import resolve_model
+from nanoserve.utils.records import check_limits
 
 
 def has_tokenizer(path: str) -> bool:
@@ -43,27 +51,18 @@ def sliding_windows(c: PretrainedConfig) -> list[int]:
             for t in types or ["sliding_attention"] * c.num_hidden_layers]
 
 
-# The range of each numeric option, as SamplingParams checks its own: (name, type, allowed, the limit as the
-# error states it). A float must be finite too: NaN fails every comparison, but inf passes ">= 0".
+# The range of each numeric option of the core's (utils/records.py's check_limits reads the rows;
+# the chapters' records, chapter_configs.py, check their own).
 LIMITS = (
     ("max_num_seqs", Integral, lambda v: v >= 1, ">= 1"),
     ("max_num_batched_tokens", Integral, lambda v: v >= 1, ">= 1"),
     ("max_model_len", Integral, lambda v: v >= 1, ">= 1"),
     ("block_size", Integral, lambda v: v >= 1, ">= 1"),
-    ("tensor_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
-    ("pipeline_parallel_size", Integral, lambda v: v >= 1, ">= 1"),
     ("num_kvcache_blocks", Integral, lambda v: v >= 1, ">= 1"),  # or None: sized from memory
     ("gpu_memory_utilization", Real, lambda v: 0 < v <= 1, "in (0, 1]"),
     ("cpu_kvcache_space", Real, lambda v: v > 0, "> 0 (GiB)"),
-    ("swap_space", Real, lambda v: v >= 0, ">= 0 (GiB)"),
-    ("kv_offloading_size", Real, lambda v: v >= 0, ">= 0 (GiB)"),
-    ("max_loras", Integral, lambda v: v >= 1, ">= 1"),
-    ("max_lora_rank", Integral, lambda v: v >= 1, ">= 1"),
-    ("max_cpu_loras", Integral, lambda v: v >= 1, ">= 1"),  # or None: max_loras
 )
 CHOICES = (
-    ("scheduling_policy", ("fcfs", "priority")),
-    ("preemption_mode", ("recompute", "swap")),
     ("dtype", ("float32", "bfloat16", "float16")),
     ("kv_cache_dtype", ("auto", "fp8")),
 )
@@ -75,7 +74,9 @@ FP8_KV_DTYPE = torch.float8_e4m3fn
 
 @dataclass
 class Config:
-    """Engine settings, named as in vLLM's `LLM(...)` so workshop code ports."""
+    """The core's engine settings, named as in vLLM's `LLM(...)` so workshop code ports, and each
+    chapter's record (chapter_configs.py), as vLLM's VllmConfig holds them: None where a switched
+    chapter is off."""
 
     model: str
     max_num_seqs: int = 256
@@ -88,29 +89,22 @@ class Config:
     cpu_kvcache_space: float = 2.0  # CPU: GiB of RAM for the KV cache (like VLLM_CPU_KVCACHE_SPACE)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = False  # vLLM V1: a token budget per step; long prompts are cut into chunks
-    scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` values are served first (V0)
-    preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
-    swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
-    kv_offloading_size: float = 0.0  # GiB of host memory for evicted cached blocks (nanoserve/kv_offload/); 0: off
-    # (None: on with CUDA, where it hides the host's time behind the GPU's, as vLLM's default; off on CPU, whose
-    # plain step the reading guide follows.)
-    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on with CUDA (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
     elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu", "triton", "compile" or "torch"; "auto": fused
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "fp8": e4m3, half of bfloat16's bytes (vLLM's name)
     device: str = "auto"  # "auto": CUDA when available, else CPU
     seed: int = 0
-    tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs on CUDA
-    pipeline_parallel_size: int = 1  # stages that each hold 1/P of the layers, T ranks each (docs/parallelism.md)
-    trace: bool = False  # record every step in llm.trace (nanoserve/tools/trace.py prints and plots it)
+    # The chapters' records. Speculative decoding's and disaggregated prefill's are given whole,
+    # as in vLLM (`speculative_config={...}`, `--speculative-config JSON`): a dict becomes a record.
     speculative_config: dict | SpeculativeConfig | None = None  # docs/speculative.md; None: no speculation
-    enable_lora: bool = False  # serve LoRA adapters (generate(..., lora_request=...); nanoserve/lora/)
-    max_loras: int = 1  # adapters one step may use: their A and B weights sit in as many slots on the device
-    max_lora_rank: int = 16  # the largest rank an adapter may have (the slots' size)
-    max_cpu_loras: int | None = None  # adapters kept read in host memory, least recently used evicted; None: max_loras
-    disable_sliding_window: bool = False  # vLLM's flag: full attention everywhere, max_model_len capped at the window
     kv_transfer_config: dict | KVTransferConfig | None = None  # disaggregated prefill (docs/disaggregated.md)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    lora_config: LoRAConfig | None = None  # None: enable_lora=False
+    kv_offload_config: KVOffloadConfig | None = None  # None: kv_offloading_size=0
+    sliding_window_config: SlidingWindowConfig = field(default_factory=SlidingWindowConfig)
+    observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -129,7 +123,8 @@ class Config:
         window = getattr(self.hf_config, "sliding_window", None)
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"sliding_window (the model's config.json) must be an integer >= 1, got {window!r}")
-        if window is not None and self.disable_sliding_window:  # then attention sees the window's tokens at most
+        # disable_sliding_window: then attention sees the window's tokens at most
+        if window is not None and self.sliding_window_config.disable_sliding_window:
             self.max_model_len, self.hf_config.sliding_window = min(self.max_model_len, window), None
         eos = self.hf_config.eos_token_id
         if os.path.isfile(os.path.join(self.model, "generation_config.json")):
@@ -142,8 +137,8 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
-        if self.async_scheduling is None:
-            self.async_scheduling = self.device == "cuda"
+        if self.scheduler_config.async_scheduling is None:
+            self.scheduler_config.async_scheduling = self.device == "cuda"
         build_cpu_kernels(self.attention_backend, self.elementwise_backend, self.device, self.dtype)
         self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype,
                                                         self.kv_cache_dtype)
@@ -156,37 +151,25 @@ class Config:
 
     def _validate(self) -> None:
         """The limits table, the choices, then what depends on several options or on the model."""
-        for name, kind, allowed, limit in LIMITS:
-            value = getattr(self, name)
-            if value is None and name in ("num_kvcache_blocks", "max_cpu_loras"):
-                continue
-            if isinstance(value, bool) or not isinstance(value, kind):
-                raise ValueError(f"{name} must be {'an integer' if kind is Integral else 'a number'}, got {value!r}")
-            if not math.isfinite(value) or not allowed(value):
-                raise ValueError(f"{name} must be {limit}, got {value}")
-        for name, choices in CHOICES:
-            if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        check_limits(self, LIMITS, CHOICES, may_be_none=("num_kvcache_blocks",))
         if self.attention_backend == "flash_attn" and self.block_size % 256:
             raise ValueError(f"block_size must be a multiple of 256 for flash-attn, got {self.block_size}")
         if self.attention_backend == "triton" and (self.block_size < 16 or self.block_size & (self.block_size - 1)):
             raise ValueError(f"block_size must be a power of two >= 16 for the Triton kernels, got {self.block_size}")
-        if self.preemption_mode == "swap" and self.swap_space == 0:
-            raise ValueError("preemption_mode='swap' needs swap_space > 0: with no host memory nothing can be swapped")
-        self._validate_host_memory()
+        if self.kv_offload_config is not None and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the host tier "
+                             "finds blocks by hash")
         # Without chunked prefill a prompt is computed in one step, so it must fit the token budget.
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}), or set enable_chunked_prefill=True"
             )
-        n = self.tensor_parallel_size
+        n = self.parallel_config.tensor_parallel_size
         check_tensor_parallel_shapes(self.hf_config, n)
         if n > 1 and self.device == "cuda" and n > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size ({n}) exceeds the {torch.cuda.device_count()} CUDA devices")
         self._validate_pipeline()
-        if self.enable_lora:
-            validate_lora_options(self)
         if self.speculative_config is not None:
             self._validate_speculative_config()
         if self.kv_transfer_config is not None:  # its own keys; the chapter checks what it needs of the engine
@@ -195,27 +178,19 @@ class Config:
             raise ValueError("torch.distributed is already initialized in this process (by an LLM with "
                              "tensor_parallel_size > 1 that is still alive?): delete that LLM first")
 
-    def _validate_host_memory(self) -> None:
-        """The prefix cache's host tier keeps blocks by their hash, and must fit in this machine's memory."""
-        if self.kv_offloading_size and not self.enable_prefix_caching:
-            raise ValueError("kv_offloading_size needs enable_prefix_caching=True: the host tier finds blocks by hash")
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-        if self.kv_offloading_size > total:
-            raise ValueError(f"kv_offloading_size ({self.kv_offloading_size} GiB) exceeds this host's memory "
-                             f"({total:.1f} GiB)")
-
     def _validate_pipeline(self) -> None:
         """Every stage needs a layer; torchrun must have started P x T ranks; on one machine every rank needs a GPU."""
-        p, num_layers = self.pipeline_parallel_size, self.hf_config.num_hidden_layers
+        parallel, num_layers = self.parallel_config, self.hf_config.num_hidden_layers
+        p, t = parallel.pipeline_parallel_size, parallel.tensor_parallel_size
         if p > num_layers:
             raise ValueError(f"pipeline_parallel_size ({p}) exceeds the model's {num_layers} layers "
                              "(num_hidden_layers): every stage needs at least one")
-        world = p * self.tensor_parallel_size
+        world = parallel.world_size
         if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", world)) != world:  # parallel/torchrun.py
             raise ValueError(f"torchrun started WORLD_SIZE={os.environ['WORLD_SIZE']} processes, but "
-                             f"pipeline_parallel_size x tensor_parallel_size is {p} x {self.tensor_parallel_size}")
+                             f"pipeline_parallel_size x tensor_parallel_size is {p} x {t}")
         if p > 1 and self.device == "cuda" and world > torch.cuda.device_count() and "RANK" not in os.environ:
-            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size ({p} x {self.tensor_parallel_size}) "
+            raise ValueError(f"pipeline_parallel_size x tensor_parallel_size ({p} x {t}) "
                              f"exceeds the {torch.cuda.device_count()} CUDA devices")
         if p > 1:  # a CUDA graph would replay a stage's send/recv with stale shapes: stages run eagerly
             self.enforce_eager = True
@@ -240,8 +215,10 @@ class Config:
         vocabs = [AutoTokenizer.from_pretrained(p).get_vocab() for p in (path, self.model) if has_tokenizer(p)]
         if len(vocabs) == 2 and vocabs[0] != vocabs[1]:
             raise ValueError("speculative_config.model: the draft's tokenizer differs from the target's")
-        check_tensor_parallel_shapes(draft, self.tensor_parallel_size, "speculative_config.model")
-        if self.pipeline_parallel_size > 1:
+        parallel = self.parallel_config
+        check_tensor_parallel_shapes(draft, parallel.tensor_parallel_size,
+                                     "speculative_config.model")
+        if parallel.pipeline_parallel_size > 1:
             raise ValueError("speculative_config.method='draft_model' needs pipeline_parallel_size=1: the draft runs "
                              "whole before the target's forward, so its layers would have to live on one stage "
                              "(not built)")
@@ -251,7 +228,9 @@ class Config:
     def num_batches_in_flight(self) -> int:
         """The batch queue's size with async_scheduling: two (plan one step while the other runs), or one per
         pipeline stage (each stage busy with its own batch); 1 without it: one step at a time."""
-        return max(2, self.pipeline_parallel_size) if self.async_scheduling else 1
+        if not self.scheduler_config.async_scheduling:
+            return 1
+        return max(2, self.parallel_config.pipeline_parallel_size)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -263,9 +242,37 @@ class Config:
         return FP8_KV_DTYPE if self.kv_cache_dtype == "fp8" else self.torch_dtype
 
 
+# The chapters' records Config holds that `LLM(...)` takes by their fields' flat names (vLLM's
+# EngineArgs -> VllmConfig), and the option that switches each on (None: always held, its defaults
+# the core's own).
+CHAPTER_RECORDS = {
+    "parallel_config": (ParallelConfig, None),
+    "scheduler_config": (SchedulerConfig, None),
+    "lora_config": (LoRAConfig, "enable_lora"),
+    "kv_offload_config": (KVOffloadConfig, "kv_offloading_size"),
+    "sliding_window_config": (SlidingWindowConfig, None),
+    "observability_config": (ObservabilityConfig, None),
+}
+
+
+def option_defaults() -> dict[str, object]:
+    """Every option `LLM(model, **options)` takes, by its flat name, with its default: the core's
+    fields, each chapter record's, and the switches (chapter_configs.SWITCHES)."""
+    core = [f for f in fields(Config)
+            if f.init and f.name != "model" and f.name not in CHAPTER_RECORDS]
+    records = [f for cls, _ in CHAPTER_RECORDS.values() for f in fields(cls)]
+    return {f.name: f.default for f in core + records} | dict.fromkeys(SWITCHES, False)
+
+
 def make_config(model: str | None, options: dict) -> Config:
-    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the options, checked."""
-    names = {f.name for f in fields(Config) if f.init}
-    if unknown := set(options) - names:
-        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names - {'model'})}")
-    return Config(resolve_model(model), **options)
+    """`LLM(model, **options)` and `AsyncLLM(model, **options)`: the flat options, checked, each
+    chapter's gathered into its record."""
+    names = option_defaults()
+    if unknown := set(options) - set(names):
+        raise ValueError(f"unknown option(s) {sorted(unknown)}; options are {sorted(names)}")
+    core = {name: value for name, value in options.items() if name not in SWITCHES}
+    records = {}
+    for name, (cls, switch) in CHAPTER_RECORDS.items():
+        mine = {f.name: core.pop(f.name) for f in fields(cls) if f.name in core}
+        records[name] = cls(**mine) if switch is None or options.get(switch) else None
+    return Config(resolve_model(model), **core, **records)

@@ -26,10 +26,3 @@ class LoRARequest:
         have different KV, so their blocks must never be hit across adapters (vLLM's extra keys)."""
         return xxhash.xxh64(f"lora:{self.lora_int_id}".encode()).intdigest()
 
-
-def validate_lora_options(config) -> None:
-    """Config(enable_lora=True)'s options: the host cache holds at least the slots' adapters."""
-    if config.max_cpu_loras is None:
-        config.max_cpu_loras = config.max_loras
-    if config.max_cpu_loras < config.max_loras:
-        raise ValueError(f"max_cpu_loras ({config.max_cpu_loras}) must be >= max_loras ({config.max_loras})")

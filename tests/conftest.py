@@ -218,6 +218,6 @@ def make_scheduler(config, block_manager, host_block_manager=None, seams=None):
     seams = Seams() if seams is None else seams
     seams.accept_lookahead = seams.accept_lookahead or accept_run
     scheduler = (scheduler_class(config) or Scheduler)(config, block_manager, seams)
-    if config.preemption_mode == "swap":
+    if config.scheduler_config.preemption_mode == "swap":
         scheduler.host_block_manager = host_block_manager or BlockManager(0, config.block_size, False)
     return scheduler

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import hf_greedy
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import Config
+from nanoserve.config import make_config
 
 EOS = 2
 MAX_TOKENS = 8
@@ -173,7 +173,7 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
 ])
 def test_bad_engine_options_name_the_field(tiny_models, option, value, words):
     with pytest.raises(ValueError) as e:
-        Config(tiny_models["qwen3"], **{option: value})
+        make_config(tiny_models["qwen3"], {option: value})
     assert all(w in str(e.value) for w in words), str(e.value)
 
 

@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import tomllib
 
-from nanoserve.config import Config
+from nanoserve.config import option_defaults
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -156,7 +156,8 @@ def index() -> Index:
 
 
 def config_fields() -> dict[str, object]:
-    return {f.name: f.default for f in dataclasses.fields(Config) if f.init and f.name != "model"}
+    """Every engine option by its flat name: Config's core fields and its chapter records' (and enable_lora)."""
+    return option_defaults()
 
 
 # ---- reading the docs ------------------------------------------------------------------------------------

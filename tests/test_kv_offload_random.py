@@ -63,7 +63,8 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, True, seams)
     tier = seams.kv_cache_tier = HostKVTier(rng.randint(1, 3 * largest), None)
     seams.after_schedule.append(tier.take_copies)  # (as kv_offload.plug_in does)
-    swap = BlockManager(rng.randint(0, largest), block_size, False) if config.preemption_mode == "swap" else None
+    swapping = config.scheduler_config.preemption_mode == "swap"
+    swap = BlockManager(rng.randint(0, largest), block_size, False) if swapping else None
     scheduler = make_scheduler(config, bm, swap, seams)
     tier.stats = scheduler.stats
     system = [rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))]
@@ -85,7 +86,7 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
                 n = min(rng.choice([1, 1, 1, 2]), config.max_num_seqs)
                 params = SamplingParams(max_tokens=rng.randint(1, min(6, max_model_len - len(prompt))), n=n,
                                         ignore_eos=rng.random() < 0.5)
-                priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
+                priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
                 group = [Sequence(seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
                 seq_id += n
                 for s in group:

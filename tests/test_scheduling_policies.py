@@ -4,7 +4,7 @@ import pytest
 
 from conftest import make_scheduler
 from nanoserve import LLM, SamplingParams
-from nanoserve.config import Config
+from nanoserve.config import make_config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -16,8 +16,9 @@ TOKEN = 7  # a fake sampled token that is not EOS
 @pytest.fixture
 def make(tiny_models):
     def make(num_blocks=32, num_host_blocks=0, max_num_seqs=8, max_num_batched_tokens=64, **options) -> Scheduler:
-        config = Config(tiny_models["qwen3"], block_size=BS, num_kvcache_blocks=num_blocks, max_num_seqs=max_num_seqs,
-                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=64, **options)
+        config = make_config(tiny_models["qwen3"], dict(
+            block_size=BS, num_kvcache_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, max_model_len=64, **options))
         host = BlockManager(num_host_blocks, BS, enable_prefix_caching=False) if num_host_blocks else None
         return make_scheduler(config, BlockManager(num_blocks, BS), host)
     return make
@@ -279,7 +280,7 @@ def test_abort_frees_a_swapped_request(make):
 ])
 def test_bad_scheduling_options(tiny_models, options, words):
     with pytest.raises(ValueError) as e:
-        Config(tiny_models["qwen3"], **options)
+        make_config(tiny_models["qwen3"], options)
     assert all(w in str(e.value) for w in words), str(e.value)
 
 

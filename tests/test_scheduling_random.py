@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from conftest import make_scheduler
-from nanoserve.config import Config
+from nanoserve.config import Config, make_config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
@@ -43,10 +43,11 @@ def random_config(rng: random.Random, model: str, max_model_lens: tuple[int, int
     block_size = rng.choice([1, 2, 4])
     max_model_len = rng.randint(*max_model_lens)
     chunked = rng.random() < 0.5
-    return Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=max_model_len,
-                  max_num_batched_tokens=rng.randint(1 if chunked else max_model_len, 2 * max_model_len),
-                  enable_chunked_prefill=chunked, scheduling_policy=rng.choice(["fcfs", "priority"]),
-                  preemption_mode=rng.choice(["recompute", "swap"]), **options)
+    return make_config(model, dict(
+        block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=max_model_len,
+        max_num_batched_tokens=rng.randint(1 if chunked else max_model_len, 2 * max_model_len),
+        enable_chunked_prefill=chunked, scheduling_policy=rng.choice(["fcfs", "priority"]),
+        preemption_mode=rng.choice(["recompute", "swap"]), **options))
 
 
 def random_requests(rng: random.Random, config: Config) -> tuple[list[tuple[int, Sequence]], int]:
@@ -61,7 +62,7 @@ def random_requests(rng: random.Random, config: Config) -> tuple[list[tuple[int,
         n = min(rng.choice([1, 1, 2, 3]), config.max_num_seqs)
         params = SamplingParams(max_tokens=rng.randint(-(-room // 2), room), ignore_eos=rng.random() < 0.5,
                                 stop_token_ids=rng.choice([[], [3]]), n=n)
-        priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
+        priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
         group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
         for seq in group:
             seq.group = group
@@ -76,7 +77,8 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
     requests, largest = random_requests(rng, config)
     block_size = config.block_size
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, prefix_caching)  # often too small for all
-    host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if config.preemption_mode == "swap" else None
+    swapping = config.scheduler_config.preemption_mode == "swap"
+    host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if swapping else None
     return config, requests, make_scheduler(config, bm, host)
 
 

@@ -85,7 +85,7 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
     bm = SlidingWindowBlockManager(rng.randint(largest, 2 * largest) + 1, block_size, prefix_caching,
                                    sliding_window=window)
     host = (SlidingWindowBlockManager(rng.randint(0, 2 * largest) + 1, block_size, False, sliding_window=window)
-            if config.preemption_mode == "swap" else None)
+            if config.scheduler_config.preemption_mode == "swap" else None)
     return config, window, requests, make_scheduler(config, bm, host)
 
 

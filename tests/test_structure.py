@@ -9,7 +9,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent / "nanoserve"
 RECORDS = {"nanoserve.config", "nanoserve.sampling_params", "nanoserve.structured_outputs",  # importable by all
            "nanoserve.outputs", "nanoserve.speculative_config", "nanoserve.beam_search_params",
-           "nanoserve.lora_request", "nanoserve.kv_transfer_config"}
+           "nanoserve.lora_request", "nanoserve.kv_transfer_config", "nanoserve.chapter_configs"}
 # Higher floors import lower ones, never the reverse. The core is floors 0-4; the features (chapters) stand on it
 # at 5; chapters.py, which plugs them in, above them; then what is built on the whole engine.
 FLOORS = {"utils": 0, "layers": 1, "models": 2, "engine": 3, "llm": 4, "async_llm": 4,

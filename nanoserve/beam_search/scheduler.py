@@ -98,7 +98,8 @@ class BeamScheduler:
         """The limits of beam search itself (EngineCore.check_request checks the prompt and the KV pool)."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        if self.config.async_scheduling:  # each step's beams decide the next batch: it cannot be planned ahead
+        # each step's beams decide the next batch: it cannot be planned ahead
+        if self.config.scheduler_config.async_scheduling:
             raise ValueError("beam search: not with async scheduling (the next step's batch depends on this "
                              "step's beams; it is on by default on CUDA): create the LLM with "
                              "async_scheduling=False")

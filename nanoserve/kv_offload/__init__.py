@@ -143,7 +143,7 @@ def plug_in(engine: EngineCore) -> HostKVTier:
     """Give every rank a host pool of kv_offloading_size GiB (not shared with the swap pool: docs/kv_offload.md
     says why) and the engine a host tier with its books."""
     num_blocks = engine.executor.call("apply", allocate_host_pool, "kv_offloading_size",
-                                      engine.config.kv_offloading_size)
+                                      engine.config.kv_offload_config.kv_offloading_size)
     tier = HostKVTier(num_blocks, engine.scheduler.stats)
     weak = weakref.proxy(engine)  # (the engine owns its seams: a strong reference back would keep it alive)
     engine.seams.kv_cache_tier = tier

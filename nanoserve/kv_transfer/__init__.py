@@ -18,7 +18,7 @@ __all__ = ["plug_in", "remote_prefill_params", "KVTransferStats", "P2pConnector"
 def plug_in(engine: EngineCore) -> P2pConnector:
     """Join the engine to its peer as its kv_transfer_config says (the peer may come later: a thread waits)."""
     config = engine.config
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+    if config.parallel_config.world_size > 1:
         raise ValueError("kv_transfer_config: needs tensor_parallel_size = pipeline_parallel_size = 1 "
                          "(each rank would have to send its own share of the KV)")
     connector = P2pConnector(engine, config.kv_transfer_config)

@@ -20,7 +20,9 @@ from nanoserve.lora_request import LoRARequest
 class LoRAManager:
     def __init__(self, engine: EngineCore):
         config = engine.config
-        self.max_loras, self.max_rank, self.max_cpu_loras = config.max_loras, config.max_lora_rank, config.max_cpu_loras
+        lora = config.lora_config
+        self.max_loras, self.max_rank = lora.max_loras, lora.max_lora_rank
+        self.max_cpu_loras = lora.max_cpu_loras
         # (Weakly: the executor holds the seams, which hold this manager; a strong reference back would keep
         # `del llm` from stopping tensor-parallel workers at once.)
         self.executor = weakref.proxy(engine.executor)

@@ -39,7 +39,7 @@ TIMEOUT = timedelta(seconds=120)
 
 
 def world_size(config: Config) -> int:
-    return config.pipeline_parallel_size * config.tensor_parallel_size
+    return config.parallel_config.world_size
 
 
 def init_process_group(config: Config, rank: int, init_method: str) -> None:
@@ -53,7 +53,8 @@ def init_process_group(config: Config, rank: int, init_method: str) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_size))
     dist.init_process_group("nccl" if config.device == "cuda" else "gloo", init_method=init_method,
                             rank=rank, world_size=n, timeout=TIMEOUT)
-    init_stage_groups(config.tensor_parallel_size, config.pipeline_parallel_size)
+    parallel = config.parallel_config
+    init_stage_groups(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
 def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
@@ -64,7 +65,8 @@ def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
 
 def make_runner(config: Config, rank: int = 0, seams: Seams | None = None) -> ModelRunner:
     """This rank's ModelRunner: with pipeline stages, its stage's part of the model."""
-    return ModelRunner(config, rank, seams, PipelineStageModel if config.pipeline_parallel_size > 1 else None)
+    stages = config.parallel_config.pipeline_parallel_size > 1
+    return ModelRunner(config, rank, seams, PipelineStageModel if stages else None)
 
 
 def run_worker(config: Config, rank: int, conn: Connection) -> None:
@@ -115,7 +117,8 @@ class MultiprocExecutor(Executor):
         self.shutdown = lambda: None
         # Pipeline stages: rank 0 takes the logits and samples in this thread (`submit`), behind the launches;
         # it ends with the Executor (a dead engine's next step then fails in its launch, saying why).
-        self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if config.pipeline_parallel_size > 1 else None
+        stages = config.parallel_config.pipeline_parallel_size > 1
+        self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if stages else None
         self.failed: str | None = None  # why this engine cannot run any more, once a step has failed
         # With pipeline stages the launch thread and the logits thread may both see a dead worker and stop the rest:
         # one reaps at a time (a second waitpid on the same pid gets ECHILD, and the exit code would read None).

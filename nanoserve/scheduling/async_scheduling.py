@@ -47,13 +47,13 @@ class BatchQueueEngineCore(EngineCore):
         super().__init__(config, seams, **parts)
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.forward_thread = None
-        if (config.device == "cpu" or config.pipeline_parallel_size > 1) and config.draft_hf_config is None:
+        depth = config.parallel_config.pipeline_parallel_size  # batches the stages hold at once
+        if (config.device == "cpu" or depth > 1) and config.draft_hf_config is None:
             self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
         weak, needs = weakref.proxy(self), self.seams.needs_newest_token  # (the seams must not keep the engine alive)
         self.seams.before_forward.insert(0, lambda out, inputs: weak.fill_placeholders(out, inputs))
-        depth = config.pipeline_parallel_size  # batches the stages hold at once
         self.seams.sits_out.append(lambda group: waits_for_newest_token(group, needs, depth))
         if depth > 1:
             self.seams.admits.append(lambda seq, scheduler, out: fits_stage_share(seq, scheduler, out, depth))
@@ -83,7 +83,8 @@ class BatchQueueEngineCore(EngineCore):
 
     def _submit(self, out: SchedulerOutput, inputs: ModelInput | None) -> Future:
         """Start a step's forward; its future gives the sampled ids (a CPU tensor)."""
-        if self.config.pipeline_parallel_size > 1:  # the stages' executor launches and finishes apart
+        # (the stages' executor launches and finishes apart)
+        if self.config.parallel_config.pipeline_parallel_size > 1:
             return self.executor.submit(self.forward_thread, out, inputs)
         execute = self.executor.execute_model  # (taken now: the step runs what the engine had when it was planned)
         if self.forward_thread is not None:

@@ -111,6 +111,7 @@ def plug_in(engine: EngineCore, block_manager_class: Callable[..., BlockManager]
     """Every rank allocates its host pool (swap_space GiB); the scheduler (a SwapScheduler, chapters.py) keeps
     its books, in a pool of the device pool's class; the step's copies run at the move_kv seam."""
     config, scheduler = engine.config, engine.scheduler
-    num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space", config.swap_space)
+    num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space",
+                                      config.scheduler_config.swap_space)
     scheduler.host_block_manager = block_manager_class(num_blocks, config.block_size, enable_prefix_caching=False)
     engine.seams.move_kv.append(move_swapped_kv)

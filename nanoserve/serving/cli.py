@@ -1,8 +1,8 @@
 """`nanoserve serve [MODEL]` (and `python -m nanoserve.serving [MODEL]`): start the OpenAI-compatible server.
 
 Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also as
-`--no-...`). The flags are generated from the fields of `Config`, with the comment beside each field as its
-help, so an option is written down once.
+`--no-...`). The flags are generated from the fields of `Config` and of its chapters' records
+(chapter_configs.py), with the comment beside each field as its help, so an option is written down once.
 """
 import argparse
 import asyncio
@@ -13,12 +13,13 @@ import os
 import re
 import types
 import typing
-from dataclasses import MISSING, fields
+from dataclasses import fields
 
 import uvicorn
 
 from nanoserve import AsyncLLM
-from nanoserve.config import Config
+from nanoserve.chapter_configs import SWITCHES
+from nanoserve.config import CHAPTER_RECORDS, Config, option_defaults
 from nanoserve.serving.app import build_app
 from nanoserve.serving.lora import LoRAModulePath, parse_lora_module
 from nanoserve.serving.proxy import add_proxy_flags
@@ -35,25 +36,36 @@ def field_comments(cls) -> dict[str, str]:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("engine options (LLM(model, **options), vLLM's names)")
+    """A flag per option: the core's fields (Config), then each chapter record's, in a group each."""
+    core = parser.add_argument_group("engine options (LLM(model, **options), vLLM's names)")
     comments = field_comments(Config)
     for f in fields(Config):
-        if not f.init or f.name == "model":
-            continue
-        default = None if f.default is MISSING else f.default
-        help_text = f"{comments.get(f.name, '')} (default: {default})".lstrip().replace("%", "%%")
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in (bool, bool | None):
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
-        else:  # int, float, str, or `X | None`: the value's type is X
-            kind = next(t for t in typing.get_args(f.type) if t is not type(None)) \
-                if isinstance(f.type, types.UnionType) else f.type
-            kind = json.loads if kind is dict else kind  # --speculative-config '{"method": "ngram", ...}'
-            group.add_argument(flag, type=kind, default=default, help=help_text)
+        if f.init and f.name != "model" and f.name not in CHAPTER_RECORDS:
+            add_flag(core, f.name, f.type, f.default, comments.get(f.name, ""))
+    for name, (cls, switch) in CHAPTER_RECORDS.items():
+        group = parser.add_argument_group(f"{cls.__name__} options (Config.{name}), vLLM's names")
+        if switch in SWITCHES:
+            add_flag(group, switch, bool, False, SWITCHES[switch])
+        comments = field_comments(cls)
+        for f in fields(cls):
+            add_flag(group, f.name, f.type, f.default, comments.get(f.name, ""))
+
+
+def add_flag(group, name: str, kind, default, comment: str) -> None:
+    """`--the-name`, its value of the field's type, the field's comment as its help."""
+    help_text = f"{comment} (default: {default})".lstrip().replace("%", "%%")
+    flag = "--" + name.replace("_", "-")
+    if kind in (bool, bool | None):
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        return
+    if isinstance(kind, types.UnionType):  # int, float, str, or `X | None`: the value's type is X
+        kind = next(t for t in typing.get_args(kind) if t is not type(None))
+    kind = json.loads if kind is dict else kind  # --speculative-config '{"method": "ngram", ...}'
+    group.add_argument(flag, type=kind, default=default, help=help_text)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {f.name: getattr(args, f.name) for f in fields(Config) if f.init and f.name != "model"}
+    return {name: getattr(args, name) for name in option_defaults()}
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

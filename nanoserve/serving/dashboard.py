@@ -55,10 +55,11 @@ def step_json(rec: StepRecord, view: StepView) -> dict:
 
 def page_config(c: Config, model_name: str) -> dict:
     """The engine's settings, which the page's header shows (the first event of every stream)."""
+    scheduling = c.scheduler_config
     return dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                 max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
-                enable_prefix_caching=c.enable_prefix_caching, preemption_mode=c.preemption_mode,
-                scheduling_policy=c.scheduling_policy, async_scheduling=c.async_scheduling,
+                enable_prefix_caching=c.enable_prefix_caching, preemption_mode=scheduling.preemption_mode,
+                scheduling_policy=scheduling.scheduling_policy, async_scheduling=scheduling.async_scheduling,
                 speculative_config=asdict(c.speculative_config) if c.speculative_config else None)
 
 

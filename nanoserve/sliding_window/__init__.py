@@ -30,7 +30,7 @@ def window_block_manager(config: Config) -> Callable[..., SlidingWindowBlockMana
     window = frees_blocks(config)
     if not window:
         return None
-    if config.kv_offloading_size:
+    if config.kv_offload_config is not None:
         raise ValueError("kv_offloading_size: the prefix cache's host tier is not built for a sliding window "
                          "(its hits would have to follow the window's rule); set kv_offloading_size=0")
     if config.kv_transfer_config is not None:
