@@ -21,7 +21,7 @@ class ParallelConfig:
     """How the model is split over ranks (vLLM's ParallelConfig, docs/parallelism.md). Config always
     holds one: 1 x 1 is the core's single process."""
 
-    tensor_parallel_size: int = 1  # ranks each holding 1/N of every layer: N processes (GPUs)
+    tensor_parallel_size: int = 1  # ranks that each hold 1/N of every layer: N processes, N GPUs
     pipeline_parallel_size: int = 1  # stages that each hold 1/P of the layers, T ranks each
 
     def __post_init__(self) -> None:
@@ -41,7 +41,7 @@ class SchedulerConfig:
     CacheConfig held swap_space. Config always holds one: its defaults are the core's scheduler."""
 
     scheduling_policy: str = "fcfs"  # "fcfs", or "priority": lower `priority` first (V0)
-    preemption_mode: str = "recompute"  # "recompute" drops a preempted KV; "swap" moves it
+    preemption_mode: str = "recompute"  # "recompute" drops a preempted KV; "swap" moves it to host
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     # (None: on with CUDA, where it hides the host's time behind the GPU's, as vLLM's default; off
     # on CPU, whose plain step the reading guide follows. Config decides it, knowing the device.)
