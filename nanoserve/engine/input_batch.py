@@ -80,14 +80,14 @@ class InputBuilder:
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """The tokens each sequence computes this step as one batch, with their cache slots, and the rows whose
         logits are needed: the last one of each sequence that samples."""
-        if not out.seqs:  # everyone was preempted this step
+        if not out.rows:  # everyone was preempted this step
             return None
         step = self.flatten(out)
         meta = self.attention_metadata(step.block_tables, step.slot_mapping, step.q_lens, step.context_lens)
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens, one per fork.
-        rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
-                if do_sample and not seq.raw_logits
-                for s, j in [(seq, j) for j in range(len(seq.spec_token_ids) + 1)] + [(f, 0) for f in forks]]
+        rows = [(s, j) for row in out.rows if row.do_sample and not row.seq.raw_logits
+                for s, j in [(row.seq, j) for j in range(len(row.seq.spec_token_ids) + 1)]
+                + [(f, 0) for f in row.forks]]
         for name, extra_rows in self.extra_logits_rows.items():  # the seam: the prompt logprobs', the beams' rows
             more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
             step.logits_rows += more
@@ -100,18 +100,19 @@ class InputBuilder:
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays: each scheduled token's id, position and cache slot, sequence by sequence."""
         step, bs = StepArrays(), self.block_size
-        for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
-                                                            out.num_scheduled_tokens, out.do_sample, out.forks):
+        for row in out.rows:
+            seq, start, end = row.seq, row.start, row.start + row.num_tokens
             # (Lookahead tokens follow the newest, speculative decoding; slices, not copies of whole sequences.)
-            step.input_ids += (seq.token_ids[start:] + seq.spec_token_ids)[:num_tokens]
-            step.positions += range(start, start + num_tokens)
-            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+            step.input_ids += (seq.token_ids[start:] + seq.spec_token_ids)[: row.num_tokens]
+            step.positions += range(start, end)
+            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             step.block_tables.append(seq.block_table)
-            step.q_lens.append(num_tokens)
-            step.context_lens.append(start + num_tokens)
-            if do_sample and not seq.raw_logits:  # the newest token's row, each lookahead token's; the row per fork
+            step.q_lens.append(row.num_tokens)
+            step.context_lens.append(end)
+            if row.do_sample and not seq.raw_logits:  # the newest token's row, each lookahead's; one per fork
                 newest = len(step.input_ids) - 1 - len(seq.spec_token_ids)
-                step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)] + [newest] * len(forks)
+                step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)]
+                step.logits_rows += [newest] * len(row.forks)
         return step
 
     def attention_metadata(self, block_tables: np.ndarray | list[list[int]], slot_mapping: np.ndarray | list[int],
