@@ -5,7 +5,7 @@ import torch
 from nanoserve.engine.sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """One row of a step's plan: seq computes num_tokens tokens from position start (its num_computed_tokens
     before the step), and samples if that reaches its end."""
