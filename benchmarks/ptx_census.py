@@ -6,7 +6,7 @@ bfloat16 one, say (docs/benchmarks.md), before a GPU is lent to measure it.
 
     python benchmarks/ptx_census.py                 # paged attention at decode shapes, bfloat16 and fp8 caches
     python benchmarks/ptx_census.py --block-n 128   # with 128 keys a step of its loop
-    python benchmarks/ptx_census.py --lora          # and LoRA's kernel, its four ways
+    python benchmarks/ptx_census.py --lora          # and LoRA's kernel, both ways
 """
 import argparse
 import collections
@@ -53,15 +53,14 @@ def paged_attention(cache: str, block_n: int = 64):
                                    BLOCK_N=block_n, PRECISION="tf32"), (*pointers, *strides))
 
 
-def lora(expand: bool, grouped: bool, split_k: int = 4):
-    """A bfloat16 model's shrink (one part, split-K) or expand (three parts, adding split_k partial sums up)."""
-    pointers = dict(x_ptr="*fp32" if expand else "*bf16", w_ptr="*bf16", out_ptr="*bf16" if expand else "*fp32",
-                    cols_ptr="*i32", order_ptr="*i64", starts_ptr="*i32", counts_ptr="*i32", slots_ptr="*i64",
-                    scaling_ptr="*fp32")
-    ints = dict.fromkeys(("K", "stride_x", "stride_w", "stride_slot", "stride_out", "stride_split"), "i32")
+def lora(grouped: bool):
+    """A bfloat16 model's expand over qkv_proj's three parts, reading h from the stacked matmul's output."""
+    pointers = dict(h_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", cols_ptr="*i32", order_ptr="*i64",
+                    starts_ptr="*i64", counts_ptr="*i64", slots_ptr="*i64", scaling_ptr="*fp32")
+    ints = dict.fromkeys(("R", "stride_h", "stride_w", "stride_slot", "stride_out"), "i32")
     return compile_for_hopper(lora_kernel, {**pointers, **ints}, dict(
-        NUM_PARTS=3 if expand else 1, EXPAND=expand, GROUPED=grouped, BLOCK_M=16 if grouped else 1, BLOCK_N=64,
-        BLOCK_K=16 if expand else 64, SPLIT_K=split_k, PRECISION="tf32"), (*pointers, *ints))
+        NUM_PARTS=3, GROUPED=grouped, BLOCK_M=16 if grouped else 1, BLOCK_N=64, BLOCK_K=16, PRECISION="tf32"),
+        (*pointers, *ints))
 
 
 def census(ptx: str) -> collections.Counter:
@@ -73,14 +72,14 @@ def census(ptx: str) -> collections.Counter:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block-n", type=int, default=64, help="keys a step of the attention kernel's loop")
-    p.add_argument("--lora", action="store_true", help="also LoRA's kernel: shrink and expand, grouped and per row")
+    p.add_argument("--lora", action="store_true", help="also LoRA's kernel (its expand), grouped and per row")
     args = p.parse_args()
     kernels = {f"paged_attention_kernel, {cache} cache, BLOCK_N {args.block_n}": partial(paged_attention, cache,
                                                                                        args.block_n)
                for cache in ("bf16", "fp8e4nv")}
     if args.lora:
-        kernels |= {f"lora_kernel, {'expand' if expand else 'shrink'}, {'grouped' if grouped else 'a row each'}":
-                    partial(lora, expand, grouped) for expand in (False, True) for grouped in (True, False)}
+        kernels |= {f"lora_kernel, {'grouped' if grouped else 'a row each'}": partial(lora, grouped)
+                    for grouped in (True, False)}
     for name, build in kernels.items():
         kernel = build()
         print(f"{name}: {kernel.asm['ptx'].count(chr(10))} lines of PTX, {kernel.metadata.shared} bytes of shared "
