@@ -76,8 +76,9 @@ class LoRALinear(nn.Module):
     A is stored as extra rows under the base weight (stacked_weight: [out + slots * parts * r, in],
     the base layer's weight a view of its first rows): on CUDA one matmul reads x once for the base
     output and every slot's h, and the Triton kernel's expand is LoRA's only launch
-    (triton_lora.py). Its price: every slot's A is read and multiplied, max_loras * parts * max_rank more columns. (A
-    weight reordered for oneDNN, on CPU, keeps A apart: only the PyTorch path runs there.)
+    (triton_lora.py). Its price: every slot's A is read and multiplied, max_loras * parts *
+    max_rank more columns. (A weight reordered for oneDNN, on CPU, keeps A apart: only the PyTorch
+    path runs there.)
 
     With tensor parallelism the slots are cut as the base weight is (vLLM's and punica's split): a column-parallel
     layer (qkv_proj, gate_up_proj) holds A whole and its rank's rows of each B; a row-parallel one (o_proj,
