@@ -72,7 +72,7 @@ part tests 150 python -m pytest -n 8 -v tests/test_cuda.py tests/test_triton_att
     tests/test_triton_elementwise.py tests/test_kv_cache_fp8.py tests/test_lora_triton.py \
     "tests/test_lora.py::test_the_triton_kernel_in_the_engine_equals_peft" -k "not pool-from-memory"
 wait
-part paged_attention 30 python benchmarks/paged_attention.py
+part paged_attention 60 python benchmarks/paged_attention.py
 part lora_layers 60 python benchmarks/lora_layers.py
 part async 100 python bench.py "${workload[@]}" --async-scheduling --kv-cache-dtype auto,fp8 --json "$out/async.json"
 part lora 100 python bench.py "${workload[@]}" --async-scheduling --num-prompts 128 --output-len 64 128 --lora 4 \
