@@ -96,8 +96,8 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
         llm = LLM(tmp, device="cpu", max_num_seqs=num_seqs, max_model_len=max_len, attention_backend="torch",
                   num_kvcache_blocks=num_seqs * (max_len // 16 + 2))
     engine = llm.engine
-    if persistent_batch:  # the input_batch seam, as chapters.build_engine plugs it in on CUDA
-        engine.input_builder.input_batch = InputBatch(engine.config.block_size).flatten
+    if persistent_batch:  # the persistent batch's InputBuilder, as chapters.build_engine builds it on CUDA
+        engine.input_builder = InputBatch.from_config(engine.config)
     vocab = engine.config.hf_config.vocab_size
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,
@@ -124,7 +124,7 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
     engine.executor.execute_model = timed(times, "fake forward", fake_forward)
 
     def decoding(out) -> bool:  # every sequence, one token each
-        return len(out.seqs) == num_seqs and sum(out.num_scheduled_tokens) == num_seqs
+        return len(out.seqs) == num_seqs and out.total_num_scheduled_tokens == num_seqs
 
     if freeze:  # as LLM.generate does: the heap so far is left out of full collections (the mean shows them)
         gc.freeze()

@@ -42,8 +42,8 @@ def decode_steps(num_seqs: int, steps: int, sampled: bool, persistent: bool, see
         seq.num_computed_tokens = len(seq)
         seq.append_token(rng.randrange(VOCAB))
         seqs.append(seq)
-    builder = InputBuilder(block_size=BLOCK_SIZE, vocab_size=VOCAB, eos_token_ids=[0], device=torch.device("cpu"),
-                           input_batch=InputBatch(BLOCK_SIZE).flatten if persistent else None)
+    builder = (InputBatch if persistent else InputBuilder)(block_size=BLOCK_SIZE, vocab_size=VOCAB,
+                                                           eos_token_ids=[0], device=torch.device("cpu"))
     times = []
     for _ in range(steps):
         out = SchedulerOutput()

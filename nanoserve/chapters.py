@@ -11,42 +11,66 @@ from functools import partial
 from nanoserve import async_llm, llm
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config, sliding_windows
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler
+from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
+from nanoserve.scheduling.priority import PriorityScheduler, check_priority
+from nanoserve.scheduling.swap import SwapScheduler
+from nanoserve.scheduling.swap import plug_in as plug_in_swap
 from nanoserve.step_records import StepRecord, step_recorder
 
 
+class PrioritySwapScheduler(PriorityScheduler, SwapScheduler):
+    """Where priority meets swap: the queues are sorted by priority, preemption swaps when the host pool has
+    room, and an urgent newcomer takes blocks from less urgent running requests only while nobody is swapped
+    out (a swapped victim would come back before the newcomer and take its blocks back)."""
+
+    def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        if not self.swapped:
+            super()._preempt_for_priority(out)
+
+
+def scheduler_class(config: Config) -> type[Scheduler]:
+    """The core's Scheduler, or the subclass of the scheduler designs the config asks for (scheduling/)."""
+    priority, swap = config.scheduling_policy == "priority", config.preemption_mode == "swap"
+    if priority:
+        return PrioritySwapScheduler if swap else PriorityScheduler
+    return SwapScheduler if swap else Scheduler
+
+
 def build_engine(config: Config) -> EngineCore:
+    """The engine config asks for: each part the core's class or a chapter's subclass of it, chosen here."""
     from nanoserve.parallel.torchrun import launched_by_torchrun
 
-    seams = Seams()
+    seams, parts = Seams(), {"scheduler_class": scheduler_class(config)}
     if config.tensor_parallel_size * config.pipeline_parallel_size > 1 or launched_by_torchrun():
         from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
 
-        seams.executor_class = MultiprocExecutor
+        parts["executor_class"] = MultiprocExecutor
     if any(sliding_windows(config.hf_config)):  # blocks freed behind the window: sliding_window/
-        from nanoserve.sliding_window import plug_in as plug_in_sliding_window
+        from nanoserve.sliding_window import window_block_manager
 
-        plug_in_sliding_window(config, seams)
-    seams.scheduler_class = scheduler_class(config)
+        if (block_manager_class := window_block_manager(config)) is not None:
+            parts["block_manager_class"] = block_manager_class
     if config.scheduling_policy == "priority":  # generate(..., priority=[...]): scheduling/priority.py
-        from nanoserve.scheduling.priority import check_priority
-
         seams.request_checks["priority"] = check_priority
     if config.device.startswith("cuda") or config.async_scheduling:  # where host time matters: persistent_batch.py
         from nanoserve.persistent_batch import InputBatch
 
-        seams.input_batch = InputBatch(config.block_size).flatten
+        parts["input_builder_class"] = InputBatch
     engine_class = EngineCore
     if config.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
         from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
-    engine = engine_class(config, seams)
+    engine = engine_class(config, seams, **parts)
     try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
+        if config.preemption_mode == "swap":  # the swap pool in host memory, in the device pool's class
+            plug_in_swap(engine, parts.get("block_manager_class", BlockManager))
         plug_in_chapters(engine)
     except BaseException:
         engine.shutdown()
@@ -57,10 +81,6 @@ def build_engine(config: Config) -> EngineCore:
 def plug_in_chapters(engine: EngineCore) -> None:
     """The chapters the config asks for, once the engine is built, and those a request may ask for."""
     config, seams = engine.config, engine.seams
-    if config.preemption_mode == "swap":  # the swap pool in host memory: scheduling/swap.py
-        from nanoserve.scheduling.swap import plug_in as plug_in_swap
-
-        plug_in_swap(engine)
     if config.speculative_config is not None:  # speculative decoding: spec_decode/
         from nanoserve.spec_decode import plug_in
 
@@ -100,21 +120,6 @@ def logprobs_feature(engine: EngineCore) -> None:
         from nanoserve.logprobs import plug_in
 
         plug_in(engine)
-
-
-def scheduler_class(config: Config) -> type | None:
-    """The core's Scheduler with the chapters the config asks for (scheduling/): each subclass overrides what its
-    design changes, and together they compose (priority with swap). None: the core's own."""
-    chapters = []
-    if config.scheduling_policy == "priority":
-        from nanoserve.scheduling.priority import PriorityScheduler
-
-        chapters.append(PriorityScheduler)
-    if config.preemption_mode == "swap":
-        from nanoserve.scheduling.swap import SwapScheduler
-
-        chapters.append(SwapScheduler)
-    return type("Scheduler", (*chapters, Scheduler), {}) if chapters else None
 
 
 def structured_output_manager(engine: EngineCore):

@@ -92,7 +92,9 @@ class Config:
     preemption_mode: str = "recompute"  # "recompute" drops a preempted request's KV; "swap" moves it to host RAM
     swap_space: float = 4.0  # GiB of host memory for swapped-out KV blocks (preemption_mode="swap")
     kv_offloading_size: float = 0.0  # GiB of host memory for evicted cached blocks (nanoserve/kv_offload/); 0: off
-    async_scheduling: bool = False  # plan step N+1 while step N runs; with P stages, P steps (docs/engine.md)
+    # (None: on with CUDA, where it hides the host's time behind the GPU's, as vLLM's default; off on CPU, whose
+    # plain step the reading guide follows.)
+    async_scheduling: bool | None = None  # plan step N+1 while step N runs; None: on with CUDA (docs/engine.md)
     enforce_eager: bool = False  # True disables CUDA graphs
     elementwise_backend: str = "auto"  # RMSNorm, SwiGLU, RoPE: "cpu", "triton", "compile" or "torch"; "auto": fused
     dtype: str = "auto"  # "auto": bfloat16 on CUDA, float32 on CPU
@@ -140,6 +142,8 @@ class Config:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.dtype == "auto":
             self.dtype = "bfloat16" if self.device == "cuda" else "float32"
+        if self.async_scheduling is None:
+            self.async_scheduling = self.device == "cuda"
         build_cpu_kernels(self.attention_backend, self.elementwise_backend, self.device, self.dtype)
         self.attention_backend = pick_attention_backend(self.attention_backend, self.device, self.dtype,
                                                         self.kv_cache_dtype)

@@ -2,16 +2,19 @@
 its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
 (the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
 where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
-A performance chapter: nanoserve/chapters.py plugs it in (Seams.input_batch) on CUDA and always with async
-scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the sequence whose token it awaits)).
+A performance chapter: InputBatch is the core's InputBuilder with its own `flatten`; nanoserve/chapters.py builds
+it on CUDA and always with async scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the
+sequence whose token it awaits)).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
 is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
 shorter one, or a step with copy-on-write copies (the last block replaced in place).
 """
+from dataclasses import dataclass
+
 import numpy as np
 
-from nanoserve.engine.input_batch import PARAMS, StepArrays
+from nanoserve.engine.input_batch import PARAMS, InputBuilder, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 
@@ -26,11 +29,12 @@ def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
     return new
 
 
-class InputBatch:
-    """The rows of the sequences the last steps scheduled; a row is reused once its sequence is gone."""
+@dataclass
+class InputBatch(InputBuilder):
+    """The InputBuilder that keeps the rows of the sequences the last steps scheduled; a row is reused once its
+    sequence is gone."""
 
-    def __init__(self, block_size: int):
-        self.block_size = block_size
+    def __post_init__(self) -> None:
         self.row_of: dict[Sequence, int] = {}
         self.step_seqs: list[Sequence] = []  # the sequences of the step being flattened keep their rows
         self.num_tokens: list[int] = []  # how many of its token ids each row holds (token_ids only grow)
@@ -43,14 +47,14 @@ class InputBatch:
         self.free_rows: list[int] = []
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
-        """Bring the rows of out's sequences up to date, then gather the step's inputs from them (the seam
-        Seams.input_batch: what InputBuilder.flatten builds)."""
+        """Bring the rows of out's sequences up to date, then gather the step's inputs from them (what the
+        core's InputBuilder.flatten builds with its loops)."""
         self.step_seqs = out.seqs
         rewrite_blocks = bool(out.blocks_to_copy)  # copy-on-write replaced a last block in place
         rows = np.array([self._sync(seq, rewrite_blocks) for seq in out.seqs], np.int64)
         n, bs = len(rows), self.block_size
-        q_lens = np.array(out.num_scheduled_tokens, np.int64)
-        starts = np.array(out.num_computed_tokens, np.int64)
+        q_lens = np.array([row.num_tokens for row in out.rows], np.int64)
+        starts = np.array([row.start for row in out.rows], np.int64)
         cu_q = np.cumsum(q_lens) - q_lens  # where each sequence's tokens start in the flat batch
         owner = np.repeat(np.arange(n), q_lens)  # the sequence of each token of the flat batch
         positions = np.arange(len(owner)) - cu_q[owner] + starts[owner]
@@ -63,9 +67,9 @@ class InputBatch:
         input_ids[placeholders] = 0
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per fork. (Nothing is
-        # drawn for raw_logits: a beam's row is the beam search's, seam 19.)
-        drawn = np.array([do_sample and not seq.raw_logits for seq, do_sample in zip(out.seqs, out.do_sample)])
-        counts = drawn * (1 + num_drafts + np.array([len(f) for f in out.forks]))
+        # drawn for raw_logits: a beam's row is the beam search's, at the extra_logits_rows seam.)
+        drawn = np.array([row.do_sample and not row.seq.raw_logits for row in out.rows])
+        counts = drawn * (1 + num_drafts + np.array([len(row.forks) for row in out.rows]))
         sampler = np.repeat(np.arange(n), counts)
         j = np.arange(len(sampler)) - (np.cumsum(counts) - counts)[sampler]
         logits_rows = (cu_q + q_lens - 1 - num_drafts)[sampler] + np.minimum(j, num_drafts[sampler])

@@ -3,8 +3,8 @@ import torch
 
 from conftest import make_scheduler
 from nanoserve.config import Config
-from nanoserve.engine.block_manager import BlockManager, compute_hash
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.block_manager import BlockManager
+from nanoserve.engine.sequence import Sequence, compute_hash
 from nanoserve.sampling_params import SamplingParams
 
 BS = 4

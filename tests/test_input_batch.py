@@ -23,9 +23,9 @@ BUILDERS = ["plain", "persistent"]
 
 
 def builder(kind: str, block_size: int = BS) -> InputBuilder:
-    """The core's InputBuilder, with its plain loops or with the persistent batch plugged in at its seam."""
-    return InputBuilder(block_size=block_size, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"),
-                        input_batch=InputBatch(block_size).flatten if kind == "persistent" else None)
+    """The core's InputBuilder, with its plain loops, or the persistent batch's subclass of it."""
+    cls = InputBatch if kind == "persistent" else InputBuilder
+    return cls(block_size=block_size, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
 
 
 def make(seq_id: int, prompt: list[int], block_table: list[int], **params) -> Sequence:
@@ -39,9 +39,9 @@ def plan(*rows: tuple[Sequence, int]) -> SchedulerOutput:
     out = SchedulerOutput()
     for seq, num_tokens in rows:
         out.add(seq, num_tokens)
-    for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
-        seq.num_computed_tokens += num_tokens
-        seq.num_output_placeholders += do_sample
+    for row in out.rows:
+        row.seq.num_computed_tokens += row.num_tokens
+        row.seq.num_output_placeholders += row.do_sample
     return out
 
 
@@ -157,7 +157,7 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
             assert inputs == as_lists(builder("plain", config.block_size).prepare_inputs(out)), f"step {t}"
             num_steps += 1
         token_ids = []
-        for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks):
+        for seq, do_sample, forks in ((r.seq, r.do_sample, r.forks) for r in out.rows):
             lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, []) if do_sample else []
             if lookahead:  # a random accepted run, then the verifier's token; placeholders for the rejected rest
                 run = lookahead[: rng.randint(0, len(lookahead))]
@@ -205,4 +205,4 @@ def test_lookahead_tokens_are_inputs_and_each_gets_a_sampling_row(kind):
 def test_the_chapter_joins_with_async_scheduling_and_not_for_a_plain_request(tiny_models, options, joins):
     llm = LLM(tiny_models["qwen3"], **options)
     ran = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False))
-    assert ("nanoserve/persistent_batch.py" in ran) == joins == (llm.engine.seams.input_batch is not None)
+    assert ("nanoserve/persistent_batch.py" in ran) == joins == isinstance(llm.engine.input_builder, InputBatch)

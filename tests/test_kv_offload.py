@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ARCHS, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
-from nanoserve.engine.block_manager import compute_hash
+from nanoserve.engine.sequence import compute_hash
 from nanoserve.kv_offload import copy_tier_blocks
 
 BLOCK_SIZE = 4

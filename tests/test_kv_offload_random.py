@@ -9,10 +9,10 @@ import pytest
 from test_scheduling_random import check_books, check_step, next_token, random_config, unconstrained, write_and_check_kv
 
 from conftest import make_scheduler
-from nanoserve.engine.block_manager import BlockManager, compute_hash
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.seams import Seams
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, compute_hash
 from nanoserve.kv_offload import HostKVTier
 from nanoserve.sampling_params import SamplingParams
 
@@ -103,7 +103,8 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
         move_kv(kv, swap_kv, host_kv, out, block_size)
         write_and_check_kv(kv, out, block_size)
         scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
-                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
+                                    ((r.seq, r.do_sample, r.forks) for r in out.rows) if do_sample
+                                    for s in [seq, *forks]])
         check_books(scheduler)
         check_tiers(bm, tier, kv, host_kv, block_size)
     else:

@@ -19,9 +19,9 @@ from conftest import (
 )
 from nanoserve import LLM, SamplingParams
 from nanoserve.config import Config
-from nanoserve.engine.block_manager import BlockManager, compute_hash
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.sequence import Sequence
+from nanoserve.engine.sequence import Sequence, compute_hash
 from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 
 MAX_TOKENS = 32
@@ -266,7 +266,7 @@ def test_random_accept_reject_keeps_the_books(tiny_models, seed):
                 seq.spec_token_ids = [rng.randrange(3, 50) for _ in range(rng.randint(0, 5))]
         out = scheduler.schedule()
         rows = []
-        for seq, do_sample in zip(out.seqs, out.do_sample):
+        for seq, do_sample in ((r.seq, r.do_sample) for r in out.rows):
             if not do_sample:
                 continue
             drafts = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])

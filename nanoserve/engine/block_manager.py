@@ -1,24 +1,7 @@
 from collections import deque
 
-import numpy as np
-import xxhash
-
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
-
-
-def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
-    """A block's hash covers its own tokens and, through prefix_hash, every token before it."""
-    h = xxhash.xxh64()
-    if prefix_hash != -1:
-        h.update(prefix_hash.to_bytes(8, "little"))
-    h.update(np.array(token_ids, dtype=np.int64).tobytes())
-    return h.intdigest()
-
-
-def hash_root(seq: Sequence) -> int:
-    """The hash seq's first block chains from: -1, or its LoRA adapter's (the same tokens, other KV)."""
-    return -1 if seq.lora_request is None else seq.lora_request.hash_root
 
 
 class Block:
@@ -32,6 +15,8 @@ class Block:
 class BlockManager:
     """A pool of KV blocks shared by reference counting. Prefix caching: a prompt reuses full computed blocks by
     chained hash; a freed block keeps its hash until handed out again (its KV may go to seams.kv_cache_tier)."""
+
+    null_block: int | None = None  # a block that stands in a table for KV nobody needs any more (vLLM's): none
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None):
@@ -68,18 +53,21 @@ class BlockManager:
         # A request for prompt_logprobs computes its whole prompt: cached tokens would get no logits (vLLM V1).
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hit_ids, tier_hashes
-        prefix_hash = hash_root(seq)
-        for i in range((len(seq) - 1) // self.block_size):  # the last token is always computed: it needs logits
-            token_ids = seq.block(i)
-            prefix_hash = compute_hash(token_ids, prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            if not tier_hashes and block_id is not None and self.blocks[block_id].token_ids == token_ids:
+        # (The last token is always computed: it needs logits.)
+        for i, prefix_hash in enumerate(seq.block_hashes[: (len(seq) - 1) // self.block_size]):
+            block_id = self.cached_block_id(prefix_hash, seq.block(i))
+            if not tier_hashes and block_id is not None:
                 hit_ids.append(block_id)
-            elif tier is not None and tier.lookup(prefix_hash, token_ids):
+            elif tier is not None and tier.lookup(prefix_hash, seq.block(i)):
                 tier_hashes.append(prefix_hash)
             else:
                 break
         return hit_ids, tier_hashes
+
+    def cached_block_id(self, block_hash: int, token_ids: list[int]) -> int | None:
+        """The block holding the KV of token_ids under block_hash, if cached (its tokens checked too)."""
+        block_id = self.hash_to_block_id.get(block_hash)
+        return block_id if block_id is not None and self.blocks[block_id].token_ids == token_ids else None
 
     def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
         hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
@@ -98,11 +86,10 @@ class BlockManager:
                 self.free_block_ids.remove(block_id)
             self.blocks[block_id].ref_count += 1
         for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
-            block = self.blocks[self.allocate_block()]
-            block.hash, block.token_ids = block_hash, seq.block(i)
-            self.hash_to_block_id[block_hash] = block.block_id
-            self.seams.kv_cache_tier.load(block_hash, block.block_id)
-            hit_ids.append(block.block_id)
+            block_id = self.allocate_block()
+            self.cache_block(block_id, block_hash, seq.block(i))
+            self.seams.kv_cache_tier.load(block_hash, block_id)
+            hit_ids.append(block_id)
         seq.block_table = hit_ids + [self.allocate_block() for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         if self.seams.kv_connector is not None:  # more of the prompt's KV, computed by another engine (kv_transfer/)
@@ -113,12 +100,15 @@ class BlockManager:
         """Register the blocks tokens start..end filled, after the forward: earlier, a hit could read unwritten KV."""
         if not self.enable_prefix_caching:
             return
-        for i in range(start // self.block_size, end // self.block_size):
-            block = self.blocks[seq.block_table[i]]
-            prefix_hash = self.blocks[seq.block_table[i - 1]].hash if i > 0 else hash_root(seq)
-            block.token_ids = seq.block(i)
-            block.hash = compute_hash(block.token_ids, prefix_hash)
-            self.hash_to_block_id[block.hash] = block.block_id
+        hashes = seq.block_hashes  # (full blocks of known tokens only)
+        for i in range(start // self.block_size, min(end // self.block_size, len(hashes))):
+            self.cache_block(seq.block_table[i], hashes[i], seq.block(i))
+
+    def cache_block(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:
+        """block_id holds the KV of token_ids, named by block_hash: a later prompt may hit it."""
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = block_hash, token_ids
+        self.hash_to_block_id[block_hash] = block_id
 
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included (copy-on-write)."""

@@ -1,4 +1,5 @@
 from collections import Counter
+from collections.abc import Callable
 from itertools import count
 
 from transformers import AutoTokenizer
@@ -18,19 +19,21 @@ from nanoserve.sampling_params import FEATURE_OPTIONS, SamplingParams
 class EngineCore:
     """The engine (vLLM V1's EngineCore): owns the requests, the scheduler, the KV blocks and the executor
     (the model). `step()` = schedule -> run the model -> update; the offline LLM calls it in a loop, AsyncLLM
-    from a thread. Features plug in through `seams` (engine/seams.py); without any, this is the whole engine."""
+    from a thread. Features plug in through `seams` (engine/seams.py), and chapters that change a part of the
+    engine give their subclass of it (nanoserve/chapters.py builds them); without any, this is the whole engine."""
 
-    def __init__(self, config: Config, seams: Seams | None = None):
+    def __init__(self, config: Config, seams: Seams | None = None, *, executor_class: type[Executor] = Executor,
+                 block_manager_class: Callable[..., BlockManager] = BlockManager,
+                 scheduler_class: type[Scheduler] = Scheduler, input_builder_class: type[InputBuilder] = InputBuilder):
         self.config, self.seams = config, Seams() if seams is None else seams
-        self.executor = (self.seams.executor_class or Executor)(config, self.seams)
+        self.executor = executor_class(config, self.seams)
         try:  # a failed start ends the executor's workers and process group now (parallel/executor.py)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache, to read
-            self.input_builder = InputBuilder.from_config(config, logits_processors=self.seams.logits_processors,
-                                                          input_batch=self.seams.input_batch,
-                                                          extra_logits_rows=self.seams.extra_logits_rows)
-            self.block_manager = (self.seams.block_manager_class or BlockManager)(
+            self.input_builder = input_builder_class.from_config(
+                config, logits_processors=self.seams.logits_processors, extra_logits_rows=self.seams.extra_logits_rows)
+            self.block_manager = block_manager_class(
                 self.model_runner.num_kvcache_blocks, config.block_size, config.enable_prefix_caching, self.seams)
-            self.scheduler = (self.seams.scheduler_class or Scheduler)(config, self.block_manager, self.seams)
+            self.scheduler = scheduler_class(config, self.block_manager, self.seams)
             self.tokenizer = AutoTokenizer.from_pretrained(config.model) if has_tokenizer(config.model) else None
         except BaseException:
             self.executor.shutdown()

@@ -1,7 +1,7 @@
 """A step's plan (SchedulerOutput) -> the tensors the model and the sampler take (ModelInput), built on the host
 with plain loops over the batch's tokens, as nano-vllm's prepare_prefill/prepare_decode do. Where host time
-matters (CUDA, async scheduling) the persistent input batch (persistent_batch.py) builds the same host arrays
-from rows kept between steps (the seam Seams.input_batch). tests/test_input_batch.py needs no model."""
+matters (CUDA, async scheduling) the persistent input batch (persistent_batch.py, a subclass) builds the same
+host arrays from rows kept between steps. tests/test_input_batch.py needs no model."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -40,7 +40,7 @@ class StepArrays:
 @dataclass
 class ModelInput:
     """One step's batch as tensors. Rows of logits_rows: first one per sequence that samples (a request's
-    n > 1 forks repeat its row), in `sample_seq_ids` order; then those features add (seam 19)."""
+    n > 1 forks repeat its row), in `sample_seq_ids` order; then those features add (the extra_logits_rows seam)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -49,7 +49,7 @@ class ModelInput:
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows are verified
-    # A feature's state: for its logits rows (seam 19); async scheduling's placeholders (persistent_batch.py).
+    # A feature's state: for its logits rows (extra_logits_rows); async scheduling's placeholders (persistent_batch.py).
     extras: dict[str, object] = field(default_factory=dict)
 
 
@@ -68,9 +68,8 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
-    # The seams (engine/seams.py); input_batch None: the plain loops (flatten).
+    # The seams (engine/seams.py).
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
-    input_batch: Callable[[SchedulerOutput], StepArrays] | None = None
     extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
 
     @classmethod
@@ -81,14 +80,14 @@ class InputBuilder:
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """The tokens each sequence computes this step as one batch, with their cache slots, and the rows whose
         logits are needed: the last one of each sequence that samples."""
-        if not out.seqs:  # everyone was preempted this step
+        if not out.rows:  # everyone was preempted this step
             return None
-        step = (self.input_batch or self.flatten)(out)
+        step = self.flatten(out)
         meta = self.attention_metadata(step.block_tables, step.slot_mapping, step.q_lens, step.context_lens)
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens, one per fork.
-        rows = [(s, j) for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks)
-                if do_sample and not seq.raw_logits
-                for s, j in [(seq, j) for j in range(len(seq.spec_token_ids) + 1)] + [(f, 0) for f in forks]]
+        rows = [(s, j) for row in out.rows if row.do_sample and not row.seq.raw_logits
+                for s, j in [(row.seq, j) for j in range(len(row.seq.spec_token_ids) + 1)]
+                + [(f, 0) for f in row.forks]]
         for name, extra_rows in self.extra_logits_rows.items():  # the seam: the prompt logprobs', the beams' rows
             more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
             step.logits_rows += more
@@ -101,18 +100,19 @@ class InputBuilder:
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays: each scheduled token's id, position and cache slot, sequence by sequence."""
         step, bs = StepArrays(), self.block_size
-        for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
-                                                            out.num_scheduled_tokens, out.do_sample, out.forks):
+        for row in out.rows:
+            seq, start, end = row.seq, row.start, row.start + row.num_tokens
             # (Lookahead tokens follow the newest, speculative decoding; slices, not copies of whole sequences.)
-            step.input_ids += (seq.token_ids[start:] + seq.spec_token_ids)[:num_tokens]
-            step.positions += range(start, start + num_tokens)
-            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_tokens)]
+            step.input_ids += (seq.token_ids[start:] + seq.spec_token_ids)[: row.num_tokens]
+            step.positions += range(start, end)
+            step.slot_mapping += [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
             step.block_tables.append(seq.block_table)
-            step.q_lens.append(num_tokens)
-            step.context_lens.append(start + num_tokens)
-            if do_sample and not seq.raw_logits:  # the newest token's row, each lookahead token's; the row per fork
+            step.q_lens.append(row.num_tokens)
+            step.context_lens.append(end)
+            if row.do_sample and not seq.raw_logits:  # the newest token's row, each lookahead's; one per fork
                 newest = len(step.input_ids) - 1 - len(seq.spec_token_ids)
-                step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)] + [newest] * len(forks)
+                step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)]
+                step.logits_rows += [newest] * len(row.forks)
         return step
 
     def attention_metadata(self, block_tables: np.ndarray | list[list[int]], slot_mapping: np.ndarray | list[int],

@@ -1,10 +1,11 @@
-"""The seams: every place a feature plugs into the core, in one file.
+"""The seams: the places a feature plugs into the core's step, in one file, numbered in the order a step meets them.
 
 The core (nanoserve/llm.py, this package, models/, layers/) is a complete engine with none of them, and never
-imports a feature. A feature (a chapter: swap, priority, async scheduling, speculative decoding, beam search,
-structured outputs, LoRA, step records, tensor and pipeline parallelism, ...) imports the core and adds itself
-here; nanoserve/chapters.py is the one place that builds an engine's seams from its config. With every list empty,
-as for a plain request, the core runs no feature code.
+imports a feature. A chapter that changes a part of the engine as a whole is a subclass of that part's core class
+(the scheduler designs, the persistent batch, the ranks' executor, the window's block manager); the others
+(speculative decoding, beam search, structured outputs, LoRA, logprobs, the host tier, step records, ...) import
+the core and add themselves here. nanoserve/chapters.py is the one place that builds an engine from its config.
+With every list empty, as for a plain request, the core runs no feature code.
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -53,68 +54,57 @@ class Seams:
     #    (structured_outputs: compile the grammar).
     request_checks: dict[str, Callable[[object], None]] = field(default_factory=dict)
     request_options: dict[str, Callable[[Request], None]] = field(default_factory=dict)
-    # 2. The scheduler's class: the chapters in nanoserve/scheduling/ (swap, priority) subclass the core's Scheduler.
-    scheduler_class: type | None = None
-    # 3. Admission (Scheduler._next_waiting): (waiting sequence, the scheduler, the plan so far) -> may it join this
-    #    step? One that may not keeps its place; those behind it may go (seed 001's curr_loras: LoRA's max_loras).
+    # 2. Admission (Scheduler._next_waiting): (waiting sequence, the scheduler, the plan so far) -> may it join this
+    #    step? One that may not keeps its place; those behind it may go (vLLM v0.6.3's curr_loras: LoRA's max_loras).
     admits: list[Callable[[Sequence, object, SchedulerOutput], bool]] = field(default_factory=list)
-    # 4. Running (Scheduler._schedule_running): (a request's running sequences) -> must they sit this step out?
+    # 3. Running (Scheduler._schedule_running): (a request's running sequences) -> must they sit this step out?
     #    (async scheduling: a token they need is still in flight.)
     sits_out: list[Callable[[list[Sequence]], bool]] = field(default_factory=list)
-    # 5. Sequences that cannot be planned before their newest token is known, with async scheduling (a grammar's
+    # 4. Sequences that cannot be planned before their newest token is known, with async scheduling (a grammar's
     #    next mask, drafts proposed from that token): the async chapter's sits_out asks these.
     needs_newest_token: list[Callable[[Sequence], bool]] = field(default_factory=list)
-    # 6. The plan is made (Scheduler.schedule): hooks that add to it (the host tier's block copies).
+    # 5. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
+    #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
+    kv_cache_tier: KVCacheTier | None = None
+    # 6. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
+    #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
+    kv_connector: KVConnector | None = None
+    # 7. The plan is made (Scheduler.schedule): hooks that add to it (the host tier's block copies).
     after_schedule: list[Callable[[SchedulerOutput], None]] = field(default_factory=list)
-    # 7. Sampling (layers/sampler.py): logits processors, applied in order to the rows the sampler draws from
+    # 8. Sampling (layers/sampler.py): logits processors, applied in order to the rows the sampler draws from
     #    (a grammar's mask of allowed tokens). The InputBuilder asks each for its step's state on the host.
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
-    # 8. Before the forward (Executor.launch), KV moved between pools on every rank: each hook is called with
+    # 9. More logits rows (InputBuilder.prepare_inputs), by feature: (plan, sampling rows, the first free logits
+    #     row) -> (batch rows whose logits it wants too, its state, kept in ModelInput.extras[name]) (logprobs.py).
+    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
+    # 10. Before the forward (Executor.launch), KV moved between pools on every rank: each hook is called with
     #    "out" (copies that read the device pool: swap-outs, offloads), then, after all of them, with "in" (copies
     #    that write it: swap-ins, host-tier hits), since a block the first free may be the second's destination.
     #    (plan, executor, "out" | "in") -> None.
     move_kv: list[Callable[[SchedulerOutput, object, str], None]] = field(default_factory=list)
-    # 9. Fills the step's lookahead slots on the device (a draft model's proposals). (plan, inputs, run_draft) ->
+    # 11. Fills the step's lookahead slots on the device (a draft model's proposals). (plan, inputs, run_draft) ->
     #    the inputs to run.
     propose: Callable | None = None
-    # 10. Just before the forward, on the process that plans: (plan, inputs) -> None, e.g. async scheduling's
+    # 12. Just before the forward, on the process that plans: (plan, inputs) -> None, e.g. async scheduling's
     #    placeholders filled on the device, LoRA's slot loads and rows (run on every rank through
     #    executor.call("apply", fn, ...), ModelRunner.apply).
     before_forward: list[Callable[[SchedulerOutput, object], None]] = field(default_factory=list)
-    # 11. Drawing (ModelRunner.sample): picks each row's tokens instead of the sampler's draw (speculative
+    # 13. Drawing (ModelRunner.sample): picks each row's tokens instead of the sampler's draw (speculative
     #    decoding's verification of the lookahead tokens). (model runner, logits, inputs) -> token ids.
     sample: Callable | None = None
-    # 12. The step's output comes back (EngineCore._update_from_output), first: hooks that fail requests the step
+    # 14. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
+    after_sample: list[Callable] = field(default_factory=list)
+    # 15. The step's output comes back (EngineCore._update_from_output), first: hooks that fail requests the step
     #    left without valid KV (the host tier's failed loads). (plan) -> their outputs.
     before_update: list[Callable[[SchedulerOutput], list[EngineCoreOutput]]] = field(default_factory=list)
-    # 13. Scheduler.postprocess, for a sequence that computed lookahead tokens: (scheduler, plan, seq, where its
+    # 16. Scheduler.postprocess, for a sequence that computed lookahead tokens: (scheduler, plan, seq, where its
     #    step started, the tokens emitted) -> seq once per token kept (speculative decoding's rollback).
     accept_lookahead: Callable | None = None
-    # 14. After the step, in order: hooks that take the step's tokens in (a grammar accepts them), pick tokens
+    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts them), pick tokens
     #    themselves (beam search), or propose the next step's lookahead tokens.
     after_step: list[AfterStep] = field(default_factory=list)
-    # 15. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
+    # 18. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
-    # 16. The executor's class: runs each step on every rank (tensor and pipeline parallelism). None: this
-    #    process's ModelRunner alone (engine/model_runner.py's Executor).
-    executor_class: type | None = None
-    # 17. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
-    #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
-    kv_cache_tier: KVCacheTier | None = None
-    # 18. A step's host arrays (InputBuilder.prepare_inputs): plan -> StepArrays, from rows kept between steps
-    #    (the persistent input batch, persistent_batch.py). None: the core's plain loops (InputBuilder.flatten).
-    input_batch: Callable | None = None
-    # 19. More logits rows (InputBuilder.prepare_inputs), by feature: (plan, sampling rows, the first free logits
-    #     row) -> (batch rows whose logits it wants too, its state, kept in ModelInput.extras[name]) (logprobs.py).
-    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
-    # 20. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
-    after_sample: list[Callable] = field(default_factory=list)
-    # 21. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
-    #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
-    kv_connector: KVConnector | None = None
-    # 22. The block manager's class, for the device pool and the swap pool: (num_blocks, block_size,
-    #    enable_prefix_caching, seams) -> a BlockManager (sliding_window/: frees the blocks behind the window).
-    block_manager_class: Callable | None = None
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)

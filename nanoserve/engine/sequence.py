@@ -3,12 +3,23 @@ from collections import deque
 from collections.abc import Iterator
 from enum import Enum, auto
 
+import numpy as np
 import torch
+import xxhash
 
 from nanoserve.engine.output_processor import IncrementalDetokenizer
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import SamplingParams
+
+
+def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
+    """A block's hash covers its own tokens and, through prefix_hash, every token before it."""
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.array(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
 
 
 class SequenceStatus(Enum):
@@ -31,6 +42,10 @@ class Sequence:
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.sampling_params, self.block_size = sampling_params, block_size
         self.block_table: list[int] = []  # logical block i of this sequence lives in physical block_table[i]
+        # The chained hash of each full block of its tokens, computed once as they come (vLLM's
+        # Request.block_hashes); the first chains from hash_root (a LoRA adapter's: the same tokens, other KV).
+        self.hash_root = -1 if lora_request is None else lora_request.hash_root
+        self._block_hashes: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being computed): resume from here
         self.num_output_placeholders = 0  # tokens a step in flight is still sampling, counted in len(seq)
@@ -75,6 +90,16 @@ class Sequence:
 
     def block(self, i: int) -> list[int]:
         return self.token_ids[i * self.block_size : (i + 1) * self.block_size]
+
+    @property
+    def block_hashes(self) -> list[int]:
+        """The hash of each full block of known tokens: what the prefix cache, its host tier and a KV connector
+        name a block's KV by. Each is computed once, when its block fills."""
+        del self._block_hashes[len(self.token_ids) // self.block_size :]  # (a stop string cut the tokens)
+        for i in range(len(self._block_hashes), len(self.token_ids) // self.block_size):
+            parent = self._block_hashes[-1] if i else self.hash_root
+            self._block_hashes.append(compute_hash(self.block(i), parent))
+        return self._block_hashes
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -21,10 +21,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nanoserve.engine.block_manager import compute_hash, hash_root
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.scheduler_output import SchedulerOutput
-from nanoserve.engine.sequence import Request, Sequence
+from nanoserve.engine.sequence import Request, Sequence, compute_hash
 from nanoserve.kv_transfer.pipe import KVPipe, KVStore
 from nanoserve.kv_transfer_config import KVTransferConfig
 from nanoserve.utils.math import cdiv
@@ -63,11 +62,9 @@ class ConnectorMetadata:
 def prompt_block_hashes(seq: Sequence, block_size: int) -> list[int]:
     """The chained hash of each of seq's prompt blocks, the last one too even if partly full (its hash covers
     only its tokens, so it names that partial block's KV exactly)."""
-    prompt, hashes, prefix_hash = seq.prompt_token_ids, [], hash_root(seq)
-    for i in range(cdiv(len(prompt), block_size)):
-        prefix_hash = compute_hash(prompt[i * block_size : (i + 1) * block_size], prefix_hash)
-        hashes.append(prefix_hash)
-    return hashes
+    hashes = seq.block_hashes[: seq.num_prompt_tokens // block_size]
+    tail = seq.prompt_token_ids[len(hashes) * block_size :]
+    return (hashes + [compute_hash(tail, hashes[-1] if hashes else seq.hash_root)]) if tail else hashes
 
 
 def check_params(params: object, config: KVTransferConfig) -> None:
@@ -120,8 +117,7 @@ class P2pConnector:
     def _num_cached_blocks(self, seq: Sequence, hashes: list[int]) -> int:
         """How many of seq's first blocks this engine's prefix cache holds (as BlockManager._cached_prefix)."""
         for i, block_hash in enumerate(hashes):
-            block_id = self.block_manager.hash_to_block_id.get(block_hash)
-            if block_id is None or self.block_manager.blocks[block_id].token_ids != seq.block(i):
+            if self.block_manager.cached_block_id(block_hash, seq.block(i)) is None:
                 return i
         return len(hashes)
 
@@ -186,9 +182,9 @@ class P2pConnector:
         """The after_schedule seam: the step's loads (noted as requests got their blocks) and, on the producer, the
         blocks of every prompt that this step completes, to save after it, go into its plan."""
         meta, self.meta = self.meta, ConnectorMetadata()
-        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
-            params = seq.sampling_params.kv_transfer_params
-            if params and params.get("do_remote_decode") and start + num_tokens == seq.num_prompt_tokens:
+        for row in out.rows:
+            seq, params = row.seq, row.seq.sampling_params.kv_transfer_params
+            if params and params.get("do_remote_decode") and row.start + row.num_tokens == seq.num_prompt_tokens:
                 hashes = prompt_block_hashes(seq, self.block_size)
                 meta.saves += zip(hashes, seq.block_table)
         for request_id in [r for r in self.pulls if r not in self.requests]:  # aborted while waiting

@@ -1,5 +1,5 @@
 """The LoRA feature's engine side (vLLM's LoRA manager): adapters read into host memory (an LRU of max_cpu_loras),
-max_loras device slots loaded between steps, the scheduler's cap on adapters per step (seed 001's curr_loras),
+max_loras device slots loaded between steps, the scheduler's cap on adapters per step (vLLM v0.6.3's curr_loras),
 and each step's row -> slot mapping. It runs on the process that plans; what it decides for the slots and rows,
 every rank's LoRASlots (layers.py) carries out."""
 import threading
@@ -72,8 +72,8 @@ class LoRAManager:
 
     # ---- scheduling: at most max_loras adapters in the running batch ----------------------------------
     def admits(self, seq: Sequence, scheduler, out: SchedulerOutput) -> bool:
-        """The scheduler's admission seam (seed 001): may seq join the running ones without making more than
-        max_loras adapters among them? Base-model requests always may."""
+        """The scheduler's admission seam (vLLM v0.6.3's scheduler): may seq join the running ones
+        without making more than max_loras adapters among them? Base-model requests always may."""
         if seq.lora_request is None:
             return True
         in_use = {s.lora_request.lora_int_id for s in scheduler.running if s.lora_request is not None}
@@ -89,7 +89,8 @@ class LoRAManager:
             return
         slot_of = {lora_id: self._slot(lora, step) for lora_id, lora in step.items()}
         seq_slots = [slot_of[s.lora_request.lora_int_id] if s.lora_request is not None else -1 for s in out.seqs]
-        row_slots = torch.from_numpy(np.repeat(seq_slots, out.num_scheduled_tokens))  # -1: the base model
+        num_tokens = [row.num_tokens for row in out.rows]
+        row_slots = torch.from_numpy(np.repeat(seq_slots, num_tokens))  # -1: the base model
         self.on_every_rank("set_rows", row_slots, len(row_slots) == len(seq_slots))  # decode: a row per sequence
         self.rows_set = True
 

@@ -1,6 +1,6 @@
 """Tensor and pipeline parallelism's executor (vLLM's MultiprocExecutor): rank 0's ModelRunner, in the engine's
 process, and the worker processes of ranks 1..N-1 (N = P x T), each with a ModelRunner of its own. It is the core's
-Executor (engine/model_runner.py) with each call sent to every rank, plugged in through the executor_class seam.
+Executor (engine/model_runner.py) with each call sent to every rank: build_engine's executor class when P x T > 1.
 
 With tensor parallelism every rank holds 1/T of each layer, and a stage's ranks meet in the collectives inside the
 forward (torch.distributed: gloo on CPU, NCCL on CUDA); with pipeline parallelism each stage holds 1/P of the layers

@@ -1,5 +1,6 @@
-"""Async scheduling (async_scheduling=True, seed 002): vLLM's batch queue. The engine plans step N+1 and builds its
-inputs while step N's forward runs (on the GPU, or in a thread on CPU), then waits for N and takes its output in.
+"""Async scheduling (async_scheduling=True), as vLLM's async scheduling does it: a batch queue. The
+engine plans step N+1 and builds its inputs while step N's forward runs (on the GPU, or in a thread
+on CPU), then waits for N and takes its output in.
 
 Planning N+1 before N's token is known works because the core already counts a token a step is sampling as a
 placeholder (Sequence.num_output_placeholders, in len(seq)): N+1 computes it at the right position, and this
@@ -42,8 +43,8 @@ class BatchQueueEngineCore(EngineCore):
     """The EngineCore with vLLM's batch queue: (plan, future) of the steps in flight (num_batches_in_flight).
     On CPU or with stages a thread runs the forwards (not with a draft model: it reads what planning changes)."""
 
-    def __init__(self, config, seams=None):
-        super().__init__(config, seams)
+    def __init__(self, config, seams=None, **parts):
+        super().__init__(config, seams, **parts)
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.forward_thread = None
         if (config.device == "cpu" or config.pipeline_parallel_size > 1) and config.draft_hf_config is None:

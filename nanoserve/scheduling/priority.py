@@ -1,4 +1,4 @@
-"""Priority scheduling (scheduling_policy="priority", seed 001's V0 scheduler): every queue is sorted by
+"""Priority scheduling (scheduling_policy="priority", vLLM v0.6.3's scheduler): every queue is sorted by
 (priority, arrival), lower values first, so the head of waiting is the most urgent request and the tail of running
 the first to give its blocks up; and an urgent newcomer that lacks blocks or a seat takes them from less urgent
 running requests (V0's _schedule_priority_preemption). The core's FCFS scheduler is this with one priority."""
@@ -30,14 +30,14 @@ class PriorityScheduler(Scheduler):
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         """While the most urgent waiting request lacks blocks or a seat, less urgent running ones give theirs up,
-        least urgent first. They recompute (the core's preempt, also with swap: a swapped victim would come back
-        before the newcomer, which is waiting, and take its blocks back)."""
-        if not self.waiting or getattr(self, "swapped", None):
+        least urgent first. They recompute, also with swap: a swapped victim would come back before the newcomer,
+        which is waiting, and take its blocks back (where priority meets swap: nanoserve/chapters.py)."""
+        if not self.waiting:
             return
         seq = self.waiting[0]
         while (self.running and priority_key(self.running[-1]) > priority_key(seq) and (
                 num_seats(seq) > self.num_free_seats() or not self.block_manager.can_allocate(seq))):
-            Scheduler.preempt(self, self.running.pop(), out)
+            self._preempt_by_recompute(self.running.pop(), out)
             self.stats.num_priority_preemptions += 1
 
 

@@ -1,12 +1,14 @@
-"""Swap preemption (preemption_mode="swap", seeds 001 and 004): a preempted request's KV blocks are copied to a pool
-in host memory instead of being dropped, and copied back when there is room, so it goes on where it stopped
-instead of prefilling again.
+"""Swap preemption (preemption_mode="swap"; vLLM v0.6.3's scheduler, early vLLM's block manager): a
+preempted request's KV blocks are copied to a pool in host memory instead of being dropped, and
+copied back when there is room, so it goes on where it stopped instead of prefilling again.
 
 The host pool has its own BlockManager (the same books: ref counts, so blocks a request's sequences share move
 once and stay shared) over a tensor each rank allocates (host_kv_pool.py: kv_pools["swap_space"]). SwapScheduler is the
 core's Scheduler with a third queue, `swapped`: a request whose KV the host pool cannot take recomputes as in the
 core; swapped requests come back before any new prompt is admitted (V0's _schedule_swapped).
 """
+from collections.abc import Callable
+
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.scheduler import Scheduler
@@ -19,8 +21,7 @@ def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> l
     """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared; the
     null block (sliding_window/: in place of blocks freed behind the window) stays the null block.
     Returns the (src block, dst block) pairs whose KV the model runners copy before the forward."""
-    null_block = getattr(src, "null_block", None)  # sliding_window/'s pools have one
-    null = {} if null_block is None else {null_block: dst.null_block}
+    null = {} if src.null_block is None else {src.null_block: dst.null_block}
     mapping: dict[int, int] = dict(null)
     for seq in seqs:
         for block_id in seq.block_table:
@@ -35,7 +36,7 @@ def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> l
 
 def live_blocks(seqs: list[Sequence], pool: BlockManager) -> set[int]:
     """The blocks seqs hold in pool (its null block is none of them)."""
-    return {b for seq in seqs for b in seq.block_table} - {getattr(pool, "null_block", None)}
+    return {b for seq in seqs for b in seq.block_table} - {pool.null_block}
 
 
 class SwapScheduler(Scheduler):
@@ -106,11 +107,10 @@ def move_swapped_kv(out: SchedulerOutput, executor, way: str) -> None:
         executor.call("apply", copy_host_blocks, mapping, src, dst)
 
 
-def plug_in(engine: EngineCore) -> None:
+def plug_in(engine: EngineCore, block_manager_class: Callable[..., BlockManager]) -> None:
     """Every rank allocates its host pool (swap_space GiB); the scheduler (a SwapScheduler, chapters.py) keeps
-    its books; the step's copies run at the move_kv seam."""
-    config = engine.config
+    its books, in a pool of the device pool's class; the step's copies run at the move_kv seam."""
+    config, scheduler = engine.config, engine.scheduler
     num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space", config.swap_space)
-    pool = engine.seams.block_manager_class or BlockManager  # (the same class as the device pool's)
-    engine.scheduler.host_block_manager = pool(num_blocks, config.block_size, enable_prefix_caching=False)
+    scheduler.host_block_manager = block_manager_class(num_blocks, config.block_size, enable_prefix_caching=False)
     engine.seams.move_kv.append(move_swapped_kv)

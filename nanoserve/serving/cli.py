@@ -43,7 +43,7 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
         default = None if f.default is MISSING else f.default
         help_text = f"{comments.get(f.name, '')} (default: {default})".lstrip().replace("%", "%%")
         flag = "--" + f.name.replace("_", "-")
-        if f.type is bool:
+        if f.type in (bool, bool | None):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
         else:  # int, float, str, or `X | None`: the value's type is X
             kind = next(t for t in typing.get_args(f.type) if t is not type(None)) \

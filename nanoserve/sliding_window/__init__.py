@@ -2,17 +2,17 @@
 
 The attention itself is the core's: models/qwen3.py reads each layer's window (sliding_windows) and every backend
 attends to the last `sliding_window` positions (layers/attention.py). This chapter is the block manager's part,
-plugged in at the `block_manager_class` seam (engine/seams.py) when every layer is windowed: block_manager.py.
+a subclass of the core's BlockManager that nanoserve/chapters.py builds when every layer is windowed.
 With full layers too (a hybrid Qwen2) one block table serves every layer and the full layers read every block,
 so nothing is freed: the core's BlockManager stays (docs/sliding_window.md says what vLLM's hybrid manager does).
 """
+from collections.abc import Callable
 from functools import partial
 
 from nanoserve.config import Config, sliding_windows
-from nanoserve.engine.seams import Seams
 from nanoserve.sliding_window.block_manager import NULL_BLOCK, SlidingWindowBlockManager
 
-__all__ = ["NULL_BLOCK", "SlidingWindowBlockManager", "frees_blocks", "plug_in"]
+__all__ = ["NULL_BLOCK", "SlidingWindowBlockManager", "frees_blocks", "window_block_manager"]
 
 
 def frees_blocks(config: Config) -> int:
@@ -24,15 +24,16 @@ def frees_blocks(config: Config) -> int:
     return max(windows) if all(windows) else 0
 
 
-def plug_in(config: Config, seams: Seams) -> None:
-    """Before the engine is built: both pools (the device's and the swap pool) become SlidingWindowBlockManagers."""
+def window_block_manager(config: Config) -> Callable[..., SlidingWindowBlockManager] | None:
+    """The class of both pools (the device's and the swap pool), with the window, when every layer is windowed;
+    else None (a hybrid model: the core's BlockManager)."""
     window = frees_blocks(config)
     if not window:
-        return
+        return None
     if config.kv_offloading_size:
         raise ValueError("kv_offloading_size: the prefix cache's host tier is not built for a sliding window "
                          "(its hits would have to follow the window's rule); set kv_offloading_size=0")
     if config.kv_transfer_config is not None:
         raise ValueError("kv_transfer_config: disaggregated prefill moves whole prompts' blocks, not built for blocks "
                          "freed behind a sliding window (disable_sliding_window=True runs full attention instead)")
-    seams.block_manager_class = partial(SlidingWindowBlockManager, sliding_window=window)
+    return partial(SlidingWindowBlockManager, sliding_window=window)

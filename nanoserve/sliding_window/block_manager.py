@@ -7,7 +7,7 @@ null block (vLLM V1's SlidingWindowManager), so logical block i stays at index i
 arithmetic. Once its prompt is computed, a sequence holds at most ceil(W / block_size) + 1 blocks, however long
 it runs. A freed block keeps its hash, as any freed block: a later prompt can still hit it.
 """
-from nanoserve.engine.block_manager import BlockManager, compute_hash, hash_root
+from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.utils.math import cdiv
@@ -18,7 +18,7 @@ NULL_BLOCK = 0
 
 
 class SlidingWindowBlockManager(BlockManager):
-    null_block = NULL_BLOCK  # (scheduling/swap.py moves the other entries of a table, and keeps this one)
+    null_block = NULL_BLOCK
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None, *, sliding_window: int):
@@ -57,12 +57,8 @@ class SlidingWindowBlockManager(BlockManager):
         gone, and are null blocks in the table. The longest such prefix; no second tier (plug_in refuses one)."""
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return [], []
-        cached, prefix_hash = [], hash_root(seq)
-        for i in range((len(seq) - 1) // self.block_size):  # (the last token is computed: it needs logits)
-            token_ids = seq.block(i)
-            prefix_hash = compute_hash(token_ids, prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash)
-            cached.append(block_id if block_id is not None and self.blocks[block_id].token_ids == token_ids else None)
+        hashes = seq.block_hashes[: (len(seq) - 1) // self.block_size]  # (the last token needs logits)
+        cached = [self.cached_block_id(h, seq.block(i)) for i, h in enumerate(hashes)]
         need = cdiv(self.sliding_window - 1, self.block_size)
         for num_hit in range(len(cached), 0, -1):
             window = cached[max(num_hit - need, 0) : num_hit]
@@ -76,27 +72,14 @@ class SlidingWindowBlockManager(BlockManager):
         return allocated
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """The base class's registration, its chain of hashes taken from the tokens where the block before is
-        the null block; then, the KV of start..end being written, the blocks behind the window are freed."""
-        if self.enable_prefix_caching:
-            for i in range(start // self.block_size, end // self.block_size):
-                block = self.blocks[seq.block_table[i]]
-                if block.block_id == NULL_BLOCK:  # freed already (a window shorter than a block)
-                    continue
-                block.token_ids = seq.block(i)
-                block.hash = compute_hash(block.token_ids, self._prefix_hash(seq, i))
-                self.hash_to_block_id[block.hash] = block.block_id
+        """The base class's registration; then, the KV of start..end being written, the blocks behind the
+        window are freed."""
+        super().hash_blocks(seq, start, end)
         self.free_behind_window(seq)
 
-    def _prefix_hash(self, seq: Sequence, i: int) -> int:
-        """The hash block i chains from: block i - 1's, or, that one freed (or not hashed), computed again from seq's
-        tokens."""
-        if i > 0 and seq.block_table[i - 1] != NULL_BLOCK and self.blocks[seq.block_table[i - 1]].hash != -1:
-            return self.blocks[seq.block_table[i - 1]].hash
-        prefix_hash = hash_root(seq)
-        for j in range(i):
-            prefix_hash = compute_hash(seq.block(j), prefix_hash)
-        return prefix_hash
+    def cache_block(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:
+        if block_id != NULL_BLOCK:  # (freed already: a window shorter than a block)
+            super().cache_block(block_id, block_hash, token_ids)
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
         self.free_behind_window(seq)  # first, so the blocks it gives back can take the new tokens

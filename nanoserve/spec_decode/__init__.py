@@ -3,7 +3,6 @@
 books for the 1 + k tokens are kept by accounting.py's accept_run with the core's BlockManager.truncate; this
 chapter plugs in at five seams."""
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import InputBuilder
 from nanoserve.spec_decode.accounting import accept_run, waits_for_drafts
 from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer
 from nanoserve.spec_decode.proposer import propose_drafts
@@ -18,7 +17,5 @@ def plug_in(engine: EngineCore) -> None:
     seams.needs_newest_token.append(waits_for_drafts)  # async scheduling: drafts start from the newest token
     seams.after_step.append(lambda out, updated: propose_drafts(scheduler.running, spec))  # the next step's
     if spec.method == "draft_model":  # before the forward: the draft model fills the slots the scheduler reserved
-        # (It rebuilds the step's inputs with the drafts filled in: from the engine's persistent batch, if it has one.)
-        builder = InputBuilder.from_config(engine.config, input_batch=seams.input_batch,
-                                           extra_logits_rows=seams.extra_logits_rows)
-        seams.propose = DraftModelProposer(builder).propose
+        # (It rebuilds the step's inputs with the drafts filled in, with the engine's InputBuilder.)
+        seams.propose = DraftModelProposer(engine.input_builder).propose

@@ -1,7 +1,7 @@
 """Speculative decoding's books (docs/speculative.md, "Accounting").
 
 A request with k draft tokens computes 1 + k tokens in one step: its newest token and the k drafts, in the core's
-lookahead slots (Sequence.spec_token_ids, counted in len(seq) as vLLM V1's num_tokens_with_spec, seed 000). The
+lookahead slots (Sequence.spec_token_ids, counted in len(seq) as vLLM V1's num_tokens_with_spec, v0.8.2). The
 verification emits a + 1 tokens: the a drafts accepted and one more from the target. The KV of the k - a rejected
 drafts was written but is wrong for what follows, so the scheduler rolls num_computed_tokens back over them and
 BlockManager.truncate gives their blocks back (accept_run, the scheduler's accept_lookahead seam).
