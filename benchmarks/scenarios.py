@@ -22,6 +22,8 @@ from benchmarks.workloads import make_lora_adapters, merge_lora
 
 @dataclass
 class Scenario:
+    """What a scenario measured, as the table and the JSON report it."""
+
     results: dict[str, dict] = field(default_factory=dict)  # each engine's figures, by the name the table shows
     ratios: dict[str, float] = field(default_factory=dict)  # output tokens/s of one over another's
     skipped: dict[str, str] = field(default_factory=dict)  # optional peers that cannot run here, and why
