@@ -120,7 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--matmul-floor", action="store_true",
                    help="also time the bare matrix multiplies of every step nanoserve ran (the physical limit)")
     p.add_argument("--enforce-eager", action="store_true", help="nanoserve: no CUDA graphs")
-    p.add_argument("--async-scheduling", action="store_true", help="nanoserve: plan each step during the last")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="nanoserve: plan each step during the last (default: the engine's, on with CUDA)")
     p.add_argument("--elementwise-backend", default="auto",
                    help="comma-separated, as --attention-backend: RMSNorm, SwiGLU and RoPE in auto, cpu, torch or "
                         "compile (torch.compile)")

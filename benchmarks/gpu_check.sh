@@ -26,9 +26,11 @@
 # 3. nano-vllm's workload (256 requests, 100-1024 tokens in and out, Qwen3-0.6B's shapes): async scheduling with
 #    the KV cache in bfloat16 then fp8, back to back;
 # 4. LoRA: 128 requests of the same shapes with shorter answers, the base model, 4 adapters, 1 merged (async);
-# 5. nano-vllm's workload, synchronous; the pool sized from free memory (a test, alone);
-# 6. multi-turn conversations with the prefix cache's host tier off then on, bounded;
-# 7. a kernel-time profile of eager decode steps at 256 sequences.
+# 5. nano-vllm's workload with LLM()'s defaults (async scheduling on by default with CUDA); in a KV pool of 2 GiB,
+#    bfloat16 against fp8 (bench.py --memory-bound: sequences running per step, preemptions);
+# 6. nano-vllm's workload, synchronous; the pool sized from free memory (a test, alone);
+# 7. multi-turn conversations with the prefix cache's host tier off then on, bounded;
+# 8. a kernel-time profile of eager decode steps at 256 sequences.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-gpu-check}
@@ -77,7 +79,10 @@ part lora_layers 60 python benchmarks/lora_layers.py
 part async 100 python bench.py "${workload[@]}" --async-scheduling --kv-cache-dtype auto,fp8 --json "$out/async.json"
 part lora 100 python bench.py "${workload[@]}" --async-scheduling --num-prompts 128 --output-len 64 128 --lora 4 \
     --json "$out/lora.json"
-part sync 60 python bench.py "${workload[@]}" --json "$out/sync.json"
+part default 60 python bench.py "${workload[@]}" --json "$out/default.json"
+part memory_bound 100 python bench.py --memory-bound --kv-cache-dtype auto,fp8 --model benchmarks/qwen3-0.6b \
+    --random-weights "$weights" --peer none --json "$out/memory_bound.json"
+part sync 60 python bench.py "${workload[@]}" --no-async-scheduling --json "$out/sync.json"
 # Alone: it sizes the pool from the GPU's free memory, which the other workers' engines would be holding.
 part tests_pool_from_memory 30 python -m pytest -q -x tests/test_cuda.py -k pool-from-memory
 part multi_turn 45 python bench.py --multi-turn --model benchmarks/qwen3-0.6b --random-weights "$weights" --peer none \
@@ -91,13 +96,14 @@ import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
 lines = ["# " + " / ".join((out / "device.txt").read_text().split("\n")[:2]), "", "```", (out / "status.txt").read_text()]
-for name in ("async", "sync", "lora", "multi_turn"):
+for name in ("async", "default", "memory_bound", "sync", "lora", "multi_turn"):
     path = out / f"{name}.json"
     if not path.exists():
         continue
     report = json.loads(path.read_text())
     for run, r in report.get("results", {}).items():
-        figures = {k: r[k] for k in ("tokens_per_s", "wall_s", "forward_s", "overhead_share", "ttft_p50_s") if k in r}
+        figures = {k: r[k] for k in ("tokens_per_s", "wall_s", "forward_s", "overhead_share", "ttft_p50_s",
+                                     "running_seqs_mean", "num_preemptions") if k in r}
         lines.append(f"{name} | {run} | " + ", ".join(f"{k} {v:.1f}" if v >= 100 else f"{k} {v:.3f}"
                                                       for k, v in figures.items()))
     lines += [f"{name} | {k} | {v:.3f}" for k, v in report.get("ratios", {}).items()]

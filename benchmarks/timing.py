@@ -184,7 +184,8 @@ def bench_nanoserve(path: str, args, prompts, output_lens, dtype: str = "auto",
 
 
 def nanoserve_name(dtype: str, args) -> str:
-    return (f"nanoserve {dtype}" + " eager" * args.enforce_eager + " async" * args.async_scheduling
+    scheduling = {None: "", True: " async", False: " sync"}[args.async_scheduling]  # (None: the default)
+    return (f"nanoserve {dtype}" + " eager" * args.enforce_eager + scheduling
             + " chunked" * args.enable_chunked_prefill)
 
 
