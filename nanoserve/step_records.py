@@ -81,7 +81,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
     tier = bm.seams.kv_cache_tier  # kv_offload/'s HostKVTier, if plugged in
-    swapped_queue = getattr(scheduler, "swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
+    swapped_queue = scheduler.queues().get("swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *swapped_queue]
     return StepRecord(
         step=step, kind=kind, scheduled=scheduled,

@@ -24,6 +24,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
 
+    def queues(self) -> dict[str, RequestQueue]:
+        """Every queue a sequence may be in, by name (what the trace, the metrics and the dashboard show)."""
+        return {"waiting": self.waiting, "running": self.running}
+
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
