@@ -35,8 +35,7 @@ class StepArrays:
     block_tables: list[list[int]] = field(default_factory=list)
     q_lens: list[int] = field(default_factory=list)  # the tokens each sequence computes
     context_lens: list[int] = field(default_factory=list)
-    # per sampling row, the batch row it samples from
-    logits_rows: list[int] = field(default_factory=list)
+    logits_rows: list[int] = field(default_factory=list)  # the row each sampling row samples from
     # per name of PARAMS, a value per sampling row (None: read them here)
     params: dict[str, list] | None = None
     # a chapter's, for ModelInput.extras (placeholders)

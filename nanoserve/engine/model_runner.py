@@ -42,8 +42,7 @@ class ModelRunner:
         self.attn_layers = [m for model in models for m in model.modules()
                             if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
-        # host pools of KV blocks a chapter adds (host_kv_pool.py)
-        self.kv_pools: dict[str, torch.Tensor] = {}
+        self.kv_pools: dict[str, torch.Tensor] = {}  # a chapter's host KV pools (host_kv_pool.py)
         # Sized from memory: a RAM budget on CPU; on CUDA what a full-budget forward leaves.
         num_blocks = config.num_kvcache_blocks or (
             profile_num_blocks(self) if self.device.type == "cuda"  # engine/cuda_graph.py
@@ -54,10 +53,9 @@ class ModelRunner:
                 "the KV cache is too small for even one block: raise gpu_memory_utilization "
                 "(CUDA) or cpu_kvcache_space (CPU), or lower max_num_batched_tokens")
         self._allocate_kv_cache(self.num_kvcache_blocks)
-        # The fused kernels' decode never waits for the host, so it is capturable; the PyTorch path
-        # stays eager.
+        # The fused kernels' decode never waits for the host, so it is capturable.
         if (self.device.type == "cuda" and config.attention_backend != "torch"
-                and not config.enforce_eager):
+                and not config.enforce_eager):  # (the PyTorch path stays eager)
             self.cuda_graphs = CUDAGraphs(self.model, config, self.scratch_slot)
 
     # ---- KV cache -------------------------------------------------------------------------

@@ -65,8 +65,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x).split(self.qkv_proj.output_sizes, -1)
-        # [tokens, heads, head_dim] views of the fused output
-        # (a Triton RMSNorm reads q and k in place).
+        # [tokens, heads, head_dim] views of the fused output (a Triton RMSNorm reads q, k in place)
         q, k, v = (t.unflatten(-1, (-1, self.head_dim)) for t in qkv)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
