@@ -38,26 +38,22 @@ class Sequence:
                  block_size: int, priority: int = 0, request_id: str = "", index: int = 0,
                  lora_request: LoRARequest | None = None):
         self.seq_id = seq_id  # ids count up in arrival order
-        # the caller's name for it; which of its request's n
-        self.request_id, self.index = request_id, index
+        self.request_id = request_id  # the caller's name for it
+        self.index = index  # which of its request's n
         self.group = [self]  # the request's n sequences: Request.seqs, one list shared by them all
-        # records a chapter reads (priority, LoRA)
-        self.priority, self.lora_request = priority, lora_request
+        self.priority, self.lora_request = priority, lora_request  # records a chapter reads
         self.status = SequenceStatus.WAITING
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.sampling_params, self.block_size = sampling_params, block_size
-        # logical block i of this sequence lives in physical block_table[i]
-        self.block_table: list[int] = []
+        self.block_table: list[int] = []  # its logical block i lives in physical block_table[i]
         # The chained hash of each full block of its tokens, computed once as they come (vLLM's
         # Request.block_hashes); the first chains from hash_root (a LoRA adapter's: the same tokens,
         # other KV).
         self.hash_root = -1 if lora_request is None else lora_request.hash_root
         self._block_hashes: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        # tokens whose KV is in the cache (or being computed): resume from here
-        self.num_computed_tokens = 0
-        # tokens a step in flight is still sampling, counted in len(seq)
-        self.num_output_placeholders = 0
+        self.num_computed_tokens = 0  # tokens with KV in the cache (or being computed): resume here
+        self.num_output_placeholders = 0  # tokens a step in flight is sampling, counted in len(seq)
         # lookahead tokens the next step verifies (nanoserve/spec_decode/)
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
