@@ -82,8 +82,7 @@ class IncrementalDetokenizer:
         # Text no one reads before the end (LLM.generate asks for FINAL_ONLY) and no stop string
         # looks at is decoded all at once when the sequence finishes: its steps spend nothing on it.
         self.at_end = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
-        # Without include_stop_str_in_output, the tail that may turn out to begin a stop string is
-        # held back.
+        # Without include_stop_str_in_output, the tail that might begin a stop string is held back.
         longest_stop = max(map(len, params.stop), default=1)
         self.hold_back = 0 if params.include_stop_str_in_output else longest_stop - 1
 
@@ -94,8 +93,8 @@ class IncrementalDetokenizer:
         new_text = None if self.at_end else self.stream.step(self.tokenizer._tokenizer, token_id)
         # all at once: at_end, or cut off inside a character (it ends in U+FFFD)
         if new_text is None and finished:
-            text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-            new_text = text[len(self.text) :]
+            full_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            new_text = full_text[len(self.text) :]
         self.text += new_text or ""
         if not new_text or len(self.token_ids) <= self.params.min_tokens:
             return None
