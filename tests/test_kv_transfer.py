@@ -6,6 +6,7 @@ import dataclasses
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -172,21 +173,30 @@ def test_bad_params(tiny_models):
     assert_nothing_leaked(producer, consumer)
 
 
-# A producer that joins the pair, takes the consumer's first pull, and then dies or hangs (mid-transfer).
-FAKE_PRODUCER = """
+# A producer that joins the pair, takes the consumer's first pull (after its heartbeats), and then dies or hangs
+# (mid-transfer); or a consumer that joins and dies.
+FAKE_PEER = """
 import os, sys, time, torch
-from nanoserve.kv_transfer.pipe import join
+from nanoserve.kv_transfer.pipe import connect, join, take_number
 from nanoserve.kv_transfer_config import KVTransferConfig
-group = join(KVTransferConfig(kv_connector="P2pConnector", kv_role="kv_producer", kv_port=int(sys.argv[1])),
-             torch.device("cpu"))
-count = torch.empty(1, dtype=torch.int64)
-group.recv([count], 1, 0).wait()
-group.recv([torch.empty(int(count), dtype=torch.int64)], 1, 0).wait()
-print("pulled", flush=True)
-if sys.argv[2] == "die":
+config = KVTransferConfig(kv_connector="P2pConnector", kv_role=sys.argv[2], kv_port=int(sys.argv[1]))
+store = connect(config)
+group = join(store, config, torch.device("cpu"), take_number(store, config))
+if config.is_producer:
+    count = torch.zeros(1, dtype=torch.int64)
+    while not count:
+        group.recv([count], 1, 0).wait()
+    group.recv([torch.empty(int(count), dtype=torch.int64)], 1, 0).wait()
+print("pulled" if config.is_producer else "joined", flush=True)
+if sys.argv[3] == "die":
     os._exit(1)
 time.sleep(600)
 """
+
+
+def fake_peer(port: int, role: str, fault: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", FAKE_PEER, str(port), role, fault], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("fault", ["die", "hang"])
@@ -195,8 +205,7 @@ def test_a_producer_that_dies_or_hangs_mid_transfer(tiny_models, fault):
     leaked, and the requests after it are served, computed here too."""
     path = tiny_models["qwen3"]
     port = free_port()
-    fake = subprocess.Popen([sys.executable, "-c", FAKE_PRODUCER, str(port), fault], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    fake = fake_peer(port, "kv_producer", fault)
     try:
         consumer = LLM(path, **ROOMY_POOL, kv_transfer_config=config(
             "kv_consumer", port, kv_connector_extra_config={"transfer_timeout": 2.0}))
@@ -224,6 +233,82 @@ def test_a_producer_that_dies_or_hangs_mid_transfer(tiny_models, fault):
     finally:
         fake.kill()
         fake.wait()
+
+
+def rejoined(llm: LLM, num_joins: int, timeout: float = 120.0) -> None:
+    """Wait until llm's end of the pair has joined num_joins pairs (its peer came back)."""
+    deadline = time.monotonic() + timeout
+    while connector(llm).pipe.num_joins < num_joins:
+        assert time.monotonic() < deadline, f"the pair was not joined again: {connector(llm).pipe.error}"
+        time.sleep(0.1)
+
+
+def test_a_killed_producer_fails_transfers_at_once_and_its_restart_is_joined(tiny_models):
+    """kill -9 of the producer while the consumer's first pull waits for its answer, two more queued behind it:
+    all three fail at once (not after transfer_timeout) and are computed on the consumer, as is a new request sent
+    straight to it. A producer started again on the same port is joined with no restart of the consumer, and the
+    next prompts' blocks come over again."""
+    path = tiny_models["qwen3"]
+    port = free_port()
+    fake = fake_peer(port, "kv_producer", "hang")
+    killed = []
+
+    def kill_mid_transfer() -> None:
+        if fake.stdout.readline() == "pulled\n":
+            fake.kill()
+            killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_mid_transfer)
+    killer.start()
+    try:
+        consumer = LLM(path, **ROOMY_POOL, kv_transfer_config=config(
+            "kv_consumer", port, kv_connector_extra_config={"transfer_timeout": 60.0}))
+        prompts = random_prompts(3, seed=9, low=20, high=40)
+        params = dataclasses.replace(GREEDY, kv_transfer_params={"do_remote_prefill": True})
+        outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert killed and time.monotonic() - killed[0] < 2.0  # (transfer_timeout is 60 s)
+        assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+        assert [o.num_cached_tokens for o in outputs] == [0, 0, 0]
+        new = random_prompts(1, seed=10, low=20, high=40)
+        start = time.monotonic()
+        later = consumer.generate([{"prompt_token_ids": new[0]}], params, use_tqdm=False)
+        assert time.monotonic() - start < 2.0 and connector(consumer).pipe.error is not None
+        assert later[0].outputs[0].token_ids == hf_greedy(path, new, 8)[0] and later[0].num_cached_tokens == 0
+        assert connector(consumer).stats.num_failed_transfers == 4
+        assert_nothing_leaked(consumer)
+    finally:
+        fake.kill()
+        fake.wait()
+        killer.join()
+    producer = LLM(path, **ROOMY_POOL, kv_transfer_config=config("kv_producer", port))  # back, on the same port
+    rejoined(consumer, 2)
+    prompts = random_prompts(3, seed=11, low=20, high=40)
+    outputs = disaggregated(producer, consumer, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+    assert [o.num_cached_tokens for o in outputs] == [len(p) - 1 for p in prompts]  # the blocks came over
+    assert connector(consumer).stats.num_failed_transfers == 4 and connector(consumer).pipe.error is None
+    assert_nothing_leaked(producer, consumer)
+
+
+def test_a_consumer_that_comes_back_is_joined(tiny_models):
+    """A consumer that dies (one that joins and exits) breaks the producer's pair; the next consumer on its port
+    is joined with no restart of the producer, and gets its blocks."""
+    path = tiny_models["qwen3"]
+    port = free_port()
+    producer = LLM(path, **ROOMY_POOL, kv_transfer_config=config("kv_producer", port))
+    fake = fake_peer(port, "kv_consumer", "die")
+    try:
+        assert fake.stdout.readline() == "joined\n" and fake.wait(timeout=60) == 1
+    finally:
+        fake.kill()
+        fake.wait()
+    consumer = LLM(path, **ROOMY_POOL, kv_transfer_config=config("kv_consumer", port))
+    prompts = random_prompts(3, seed=12, low=20, high=40)
+    outputs = disaggregated(producer, consumer, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+    assert [o.num_cached_tokens for o in outputs] == [len(p) - 1 for p in prompts]
+    assert connector(producer).pipe.num_joins == 2
+    assert_nothing_leaked(producer, consumer)
 
 
 def test_the_proxy_command(capsys):
