@@ -113,6 +113,20 @@ def test_parallel_sampling_on_the_consumer(tiny_models):
     assert_nothing_leaked(producer, consumer)
 
 
+def test_a_block_aligned_prompt_sent_again_computes_its_last_block(tiny_models):
+    """As in vLLM V1: the consumer's own cache hit stops at len(prompt) - 1, in whole blocks, so a prompt of
+    exactly two blocks, sent a second time, computes its last block there (16 tokens); nothing is pulled again."""
+    path = tiny_models["qwen3"]
+    producer, consumer = make_pair(path)
+    prompt = random_prompts(1, seed=13, low=32, high=33)
+    assert disaggregated(producer, consumer, prompt)[0].num_cached_tokens == 31  # all but the last token came
+    received = connector(consumer).stats.num_received_blocks
+    again = disaggregated(producer, consumer, prompt)[0]
+    assert again.num_cached_tokens == 16 and connector(consumer).stats.num_received_blocks == received
+    assert again.outputs[0].token_ids == hf_greedy(path, prompt, 8)[0]
+    assert_nothing_leaked(producer, consumer)
+
+
 def test_a_consumer_pool_too_small(tiny_models):
     """A request whose blocks could never fit fails alone, before anything; requests that fit only a few at a time
     wait in the queue for blocks, their received KV with them, and still equal one engine."""
@@ -318,6 +332,10 @@ def test_the_proxy_command(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["proxy", "--help"])
     assert done.value.code == 0 and "--prefill URL" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:  # checked at start: a non-zero exit with one line
+        cli.main(["proxy", "--prefill", "not-a-url", "--decode", "http://127.0.0.1:8200"])
+    assert str(refused.value.code).startswith("nanoserve proxy: --prefill 'not-a-url' is not an http://")
+    assert "\n" not in refused.value.code
     # The prefill instance computes the prompt and one token, not streamed, whatever the client asked for.
     body = {"prompt": "Hi", "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}, "n": 2,
             "max_completion_tokens": 64, "min_tokens": 4, "temperature": 0.5}
