@@ -124,7 +124,7 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
     engine.executor.execute_model = timed(times, "fake forward", fake_forward)
 
     def decoding(out) -> bool:  # every sequence, one token each
-        return len(out.seqs) == num_seqs and sum(out.num_scheduled_tokens) == num_seqs
+        return len(out.seqs) == num_seqs and out.total_num_scheduled_tokens == num_seqs
 
     if freeze:  # as LLM.generate does: the heap so far is left out of full collections (the mean shows them)
         gc.freeze()

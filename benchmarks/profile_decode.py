@@ -21,7 +21,7 @@ import torch  # noqa: E402
 from torch.autograd import DeviceType  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
-from bench import random_weights  # noqa: E402
+from benchmarks.workloads import random_weights  # noqa: E402
 from nanoserve import LLM, SamplingParams  # noqa: E402
 from nanoserve.utils.default_model import resolve_model  # noqa: E402
 

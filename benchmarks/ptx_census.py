@@ -2,17 +2,21 @@
 PTX: the instructions that move and convert K/V and feed the tensor cores, counted. A kernel is compiled as the
 JIT compiles it at a launch: its arguments typed, those divisible by 16 marked so (how loads get vectorized).
 It tells what a kernel's loop does per element without timing it: why an fp8 KV cache is read more slowly than a
-bfloat16 one, say (docs/benchmarks.md), before a GPU is lent to measure it.
+bfloat16 one, say (docs/benchmarks.md), before a GPU is lent to measure it. Each kernel's counts start with three
+totals (lines with "="): its launches a decoder layer, its conversions between floating-point types, its loads of
+single bytes, and the instructions of its machine code (SASS, after ptxas).
 
     python benchmarks/ptx_census.py                 # paged attention at decode shapes, bfloat16 and fp8 caches
     python benchmarks/ptx_census.py --block-n 128   # with 128 keys a step of its loop
-    python benchmarks/ptx_census.py --lora          # and LoRA's kernel, its four ways
+    python benchmarks/ptx_census.py --lora          # and LoRA's kernel, both ways
 """
 import argparse
 import collections
 import os
 import re
+import subprocess
 import sys
+import tempfile
 from functools import partial
 from pathlib import Path
 
@@ -21,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+from triton.knobs import nvidia  # noqa: E402
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 from nanoserve.layers.triton_attention import paged_attention_kernel  # noqa: E402
@@ -53,15 +58,14 @@ def paged_attention(cache: str, block_n: int = 64):
                                    BLOCK_N=block_n, PRECISION="tf32"), (*pointers, *strides))
 
 
-def lora(expand: bool, grouped: bool, split_k: int = 4):
-    """A bfloat16 model's shrink (one part, split-K) or expand (three parts, adding split_k partial sums up)."""
-    pointers = dict(x_ptr="*fp32" if expand else "*bf16", w_ptr="*bf16", out_ptr="*bf16" if expand else "*fp32",
-                    cols_ptr="*i32", order_ptr="*i64", starts_ptr="*i32", counts_ptr="*i32", slots_ptr="*i64",
-                    scaling_ptr="*fp32")
-    ints = dict.fromkeys(("K", "stride_x", "stride_w", "stride_slot", "stride_out", "stride_split"), "i32")
+def lora(grouped: bool):
+    """A bfloat16 model's expand over qkv_proj's three parts, reading h from the stacked matmul's output."""
+    pointers = dict(h_ptr="*bf16", w_ptr="*bf16", out_ptr="*bf16", cols_ptr="*i32", order_ptr="*i64",
+                    starts_ptr="*i64", counts_ptr="*i64", slots_ptr="*i64", scaling_ptr="*fp32")
+    ints = dict.fromkeys(("R", "stride_h", "stride_w", "stride_slot", "stride_out"), "i32")
     return compile_for_hopper(lora_kernel, {**pointers, **ints}, dict(
-        NUM_PARTS=3 if expand else 1, EXPAND=expand, GROUPED=grouped, BLOCK_M=16 if grouped else 1, BLOCK_N=64,
-        BLOCK_K=16 if expand else 64, SPLIT_K=split_k, PRECISION="tf32"), (*pointers, *ints))
+        NUM_PARTS=3, GROUPED=grouped, BLOCK_M=16 if grouped else 1, BLOCK_N=64, BLOCK_K=16, PRECISION="tf32"),
+        (*pointers, *ints))
 
 
 def census(ptx: str) -> collections.Counter:
@@ -70,22 +74,51 @@ def census(ptx: str) -> collections.Counter:
     return collections.Counter(word for word in words if word.startswith(KINDS))
 
 
+# Launches a decoder layer: one attention call; LoRA's expand, once for each of its four layers (qkv_proj, o_proj,
+# gate_up_proj, down_proj: the shrink is the base matmul's; tests/test_lora_triton.py counts them)
+LAUNCHES = {"paged_attention_kernel": 1, "lora_kernel": 4}
+
+
+def sass_instructions(cubin: bytes) -> int:
+    """The machine code's instructions (static), disassembled by the nvdisasm of Triton's wheel: what ptxas left
+    of the PTX (it merges and drops much of it)."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([nvidia.nvdisasm.path, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    return len(re.findall(r"^\s*/\*[0-9a-f]{4}\*/\s+\S", sass, re.MULTILINE))
+
+
+def totals(name: str, kernel) -> dict[str, int]:
+    """The census in four figures: launches a decoder layer, conversions between floating-point types (not the
+    integer ones: cvt.s64.s32 is address arithmetic), loads of single bytes (a byte-wise operand), and the
+    instructions of the machine code."""
+    counts, floats = census(kernel.asm["ptx"]), ("f16", "bf16", "f32", "e4m3", "e5m2")
+    return {"=launches-a-decoder-layer": LAUNCHES[name.split(",")[0]],
+            "=float-conversions": sum(n for word, n in counts.items()
+                                      if word.startswith("cvt") and any(f".{t}" in word for t in floats)),
+            "=byte-loads": sum(n for word, n in counts.items()
+                               if word.startswith(("ld.", "ldmatrix")) and word.endswith((".b8", ".u8", ".s8"))),
+            "=sass-instructions": sass_instructions(kernel.asm["cubin"])}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block-n", type=int, default=64, help="keys a step of the attention kernel's loop")
-    p.add_argument("--lora", action="store_true", help="also LoRA's kernel: shrink and expand, grouped and per row")
+    p.add_argument("--lora", action="store_true", help="also LoRA's kernel (its expand), grouped and per row")
     args = p.parse_args()
     kernels = {f"paged_attention_kernel, {cache} cache, BLOCK_N {args.block_n}": partial(paged_attention, cache,
                                                                                        args.block_n)
                for cache in ("bf16", "fp8e4nv")}
     if args.lora:
-        kernels |= {f"lora_kernel, {'expand' if expand else 'shrink'}, {'grouped' if grouped else 'a row each'}":
-                    partial(lora, expand, grouped) for expand in (False, True) for grouped in (True, False)}
+        kernels |= {f"lora_kernel, {'grouped' if grouped else 'a row each'}": partial(lora, grouped)
+                    for grouped in (True, False)}
     for name, build in kernels.items():
         kernel = build()
         print(f"{name}: {kernel.asm['ptx'].count(chr(10))} lines of PTX, {kernel.metadata.shared} bytes of shared "
               f"memory, {kernel.metadata.num_warps} warps")
-        for word, n in sorted(census(kernel.asm["ptx"]).items(), key=lambda item: (-item[1], item[0])):
+        counts = sorted(census(kernel.asm["ptx"]).items(), key=lambda item: (-item[1], item[0]))
+        for word, n in [*totals(name, kernel).items(), *counts]:
             print(f"  {n:5d}  {word}")
 
 

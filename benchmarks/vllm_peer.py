@@ -32,7 +32,7 @@ def main(job_path: str, result_path: str) -> None:
     prompts = [{"prompt_token_ids": ids} for ids in job["prompts"]]
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in job["output_lens"]]
     start = time.time()  # wall clock: vLLM stamps a request's arrival with time.time()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=True)  # its progress bar: a leg of minutes says how far
     wall = time.time() - start
 
     token_ids = [list(out.outputs[0].token_ids) for out in outputs]

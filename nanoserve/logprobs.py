@@ -29,12 +29,13 @@ def logprobs_places(out: SchedulerOutput, rows: list[SamplingRow], first_row: in
     the sampling rows' included."""
     places = [(seq, None, row) for row, (seq, _) in enumerate(rows) if seq.logprobs is not None]
     prompt_rows, offset = [], 0
-    for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+    for row in out.rows:
+        seq, start = row.seq, row.start
         if seq.prompt_logprobs is not None:
-            end = min(start + num_tokens, seq.num_prompt_tokens - 1)
+            end = min(start + row.num_tokens, seq.num_prompt_tokens - 1)
             places += [(seq, p + 1, first_row + len(prompt_rows) + p - start) for p in range(start, end)]
             prompt_rows += range(offset, offset + end - start)
-        offset += num_tokens
+        offset += row.num_tokens
     return prompt_rows, places
 
 

@@ -53,8 +53,8 @@ class InputBatch(InputBuilder):
         rewrite_blocks = bool(out.blocks_to_copy)  # copy-on-write replaced a last block in place
         rows = np.array([self._sync(seq, rewrite_blocks) for seq in out.seqs], np.int64)
         n, bs = len(rows), self.block_size
-        q_lens = np.array(out.num_scheduled_tokens, np.int64)
-        starts = np.array(out.num_computed_tokens, np.int64)
+        q_lens = np.array([row.num_tokens for row in out.rows], np.int64)
+        starts = np.array([row.start for row in out.rows], np.int64)
         cu_q = np.cumsum(q_lens) - q_lens  # where each sequence's tokens start in the flat batch
         owner = np.repeat(np.arange(n), q_lens)  # the sequence of each token of the flat batch
         positions = np.arange(len(owner)) - cu_q[owner] + starts[owner]
@@ -68,8 +68,8 @@ class InputBatch(InputBuilder):
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per fork. (Nothing is
         # drawn for raw_logits: a beam's row is the beam search's, at the extra_logits_rows seam.)
-        drawn = np.array([do_sample and not seq.raw_logits for seq, do_sample in zip(out.seqs, out.do_sample)])
-        counts = drawn * (1 + num_drafts + np.array([len(f) for f in out.forks]))
+        drawn = np.array([row.do_sample and not row.seq.raw_logits for row in out.rows])
+        counts = drawn * (1 + num_drafts + np.array([len(row.forks) for row in out.rows]))
         sampler = np.repeat(np.arange(n), counts)
         j = np.arange(len(sampler)) - (np.cumsum(counts) - counts)[sampler]
         logits_rows = (cu_q + q_lens - 1 - num_drafts)[sampler] + np.minimum(j, num_drafts[sampler])

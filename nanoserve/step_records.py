@@ -69,19 +69,19 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
     drafts = out.scheduled_spec_decode_tokens
-    scheduled = [ScheduledRequest(request_id=seq.request_id, seq_id=seq.seq_id, num_tokens=n, start=start,
-                                  sampled=sample, is_decode=out.is_decode(i), spec_token_ids=drafts.get(seq.seq_id, []),
-                                  num_accepted_tokens=out.num_accepted_tokens.get(seq.seq_id, 0),
-                                  lora_name=seq.lora_request and seq.lora_request.lora_name)
-                 for i, (seq, n, start, sample) in enumerate(zip(out.seqs, out.num_scheduled_tokens,
-                                                                 out.num_computed_tokens, out.do_sample))]
+    scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
+                                  start=row.start, sampled=row.do_sample, is_decode=out.is_decode(row),
+                                  spec_token_ids=drafts.get(row.seq.seq_id, []),
+                                  num_accepted_tokens=out.num_accepted_tokens.get(row.seq.seq_id, 0),
+                                  lora_name=row.seq.lora_request and row.seq.lora_request.lora_name)
+                 for row in out.rows]
     decodes = [r.is_decode for r in scheduled]
     kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
     tier = bm.seams.kv_cache_tier  # kv_offload/'s HostKVTier, if plugged in
-    swapped_queue = getattr(scheduler, "swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
+    swapped_queue = scheduler.queues().get("swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *swapped_queue]
     return StepRecord(
         step=step, kind=kind, scheduled=scheduled,
@@ -96,7 +96,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         num_cached_blocks=sum(bm.blocks[i].ref_count == 0 and bm.blocks[i].hash == h
                               for h, i in bm.hash_to_block_id.items()),
         num_free_blocks=bm.num_free_blocks,
-        num_scheduled_tokens=sum(out.num_scheduled_tokens),
+        num_scheduled_tokens=out.total_num_scheduled_tokens,
         token_budget=scheduler.max_num_batched_tokens,
         time=perf_counter(),
         seq_requests={seq.seq_id: (seq.request_id, seq.index) for seq in named},

@@ -183,11 +183,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(args: list[str], log: Path, env: dict | None = None,
-                 module: str = "nanoserve.serving") -> tuple[str, subprocess.Popen]:
-    """`python -m MODULE ARGS --port P` (a server, or the disaggregated proxy) on a free port of 127.0.0.1, its
-    output in `log`; returns its URL and process once /health answers."""
-    port = free_port()
+def start_server(args: list[str], log: Path, env: dict | None = None, module: str = "nanoserve.serving",
+                 port: int | None = None) -> tuple[str, subprocess.Popen]:
+    """`python -m MODULE ARGS --port P` (a server, or the disaggregated proxy) on `port` of 127.0.0.1 (default: a
+    free one), its output in `log`; returns its URL and process once /health answers."""
+    port = port or free_port()
     cmd = [sys.executable, "-m", module, *args, "--port", str(port)]
     with open(log, "w") as out:
         process = subprocess.Popen(cmd, cwd=Path(__file__).resolve().parent.parent, env=env or dict(os.environ),

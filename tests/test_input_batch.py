@@ -39,9 +39,9 @@ def plan(*rows: tuple[Sequence, int]) -> SchedulerOutput:
     out = SchedulerOutput()
     for seq, num_tokens in rows:
         out.add(seq, num_tokens)
-    for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
-        seq.num_computed_tokens += num_tokens
-        seq.num_output_placeholders += do_sample
+    for row in out.rows:
+        row.seq.num_computed_tokens += row.num_tokens
+        row.seq.num_output_placeholders += row.do_sample
     return out
 
 
@@ -157,7 +157,7 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
             assert inputs == as_lists(builder("plain", config.block_size).prepare_inputs(out)), f"step {t}"
             num_steps += 1
         token_ids = []
-        for seq, do_sample, forks in zip(out.seqs, out.do_sample, out.forks):
+        for seq, do_sample, forks in ((r.seq, r.do_sample, r.forks) for r in out.rows):
             lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, []) if do_sample else []
             if lookahead:  # a random accepted run, then the verifier's token; placeholders for the rejected rest
                 run = lookahead[: rng.randint(0, len(lookahead))]

@@ -59,17 +59,27 @@ def test_reads_equal_float32_attention_over_the_rounded_values(backend, kv_scale
 
 
 @TRITON
-def test_bfloat16_queries_over_an_fp8_cache():
+@pytest.mark.parametrize("dim", [16, 24])  # 24: a head padded to 32 dims, 12 of 16 V pairs read
+def test_bfloat16_queries_over_an_fp8_cache(dim):
     """The engine's case on a GPU, a bfloat16 model with kv_cache_dtype="fp8": the Triton kernel converts K/V to
     float16 as it reads them (one conversion; bfloat16 would take two) and runs its dots in float16; against float32
     attention over the same rounded K/V, within bfloat16's rounding. (Triton's interpreter cuts bfloat16 where a
     GPU rounds, so the tolerance holds twice bfloat16's half step; it has no conversion of fp8 to bfloat16 at all:
-    this test failed under it, with errors near 1e9, while the dots were in bfloat16.)"""
-    expected = run_backend("torch", BATCH, 16, 4, 2, 16, round_kv_to=FP8)
-    out = run_backend("triton", BATCH, 16, 4, 2, 16, cache_dtype=FP8, device=DEVICE, q_dtype=torch.bfloat16,
+    this test failed under it, with errors near 1e9, while the dots were in bfloat16.) V's values are read in
+    pairs, two dims of a key, and its even and odd dims multiplied apart: a head_dim that fills its padding, and
+    one that does not."""
+    expected = run_backend("torch", BATCH, 16, 4, 2, dim, round_kv_to=FP8)
+    out = run_backend("triton", BATCH, 16, 4, 2, dim, cache_dtype=FP8, device=DEVICE, q_dtype=torch.bfloat16,
                       round_kv_to=FP8 if INEXACT_FP8 else None)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@TRITON
+def test_an_fp8_cache_needs_an_even_head_dim():
+    """The Triton kernel reads an fp8 cache's V as pairs of values (two dims of a key)."""
+    with pytest.raises(ValueError, match="an fp8 KV cache needs an even head_dim, got 15"):
+        run_backend("triton", [(3, 1)], 16, 2, 1, 15, cache_dtype=FP8, device=DEVICE)
 
 
 @TRITON

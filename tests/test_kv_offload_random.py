@@ -104,7 +104,8 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
         move_kv(kv, swap_kv, host_kv, out, block_size)
         write_and_check_kv(kv, out, block_size)
         scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
-                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
+                                    ((r.seq, r.do_sample, r.forks) for r in out.rows) if do_sample
+                                    for s in [seq, *forks]])
         check_books(scheduler)
         check_tiers(bm, tier, kv, host_kv, block_size)
     else:

@@ -6,6 +6,7 @@ import dataclasses
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -112,6 +113,20 @@ def test_parallel_sampling_on_the_consumer(tiny_models):
     assert_nothing_leaked(producer, consumer)
 
 
+def test_a_block_aligned_prompt_sent_again_computes_its_last_block(tiny_models):
+    """As in vLLM V1: the consumer's own cache hit stops at len(prompt) - 1, in whole blocks, so a prompt of
+    exactly two blocks, sent a second time, computes its last block there (16 tokens); nothing is pulled again."""
+    path = tiny_models["qwen3"]
+    producer, consumer = make_pair(path)
+    prompt = random_prompts(1, seed=13, low=32, high=33)
+    assert disaggregated(producer, consumer, prompt)[0].num_cached_tokens == 31  # all but the last token came
+    received = connector(consumer).stats.num_received_blocks
+    again = disaggregated(producer, consumer, prompt)[0]
+    assert again.num_cached_tokens == 16 and connector(consumer).stats.num_received_blocks == received
+    assert again.outputs[0].token_ids == hf_greedy(path, prompt, 8)[0]
+    assert_nothing_leaked(producer, consumer)
+
+
 def test_a_consumer_pool_too_small(tiny_models):
     """A request whose blocks could never fit fails alone, before anything; requests that fit only a few at a time
     wait in the queue for blocks, their received KV with them, and still equal one engine."""
@@ -172,21 +187,30 @@ def test_bad_params(tiny_models):
     assert_nothing_leaked(producer, consumer)
 
 
-# A producer that joins the pair, takes the consumer's first pull, and then dies or hangs (mid-transfer).
-FAKE_PRODUCER = """
+# A producer that joins the pair, takes the consumer's first pull (after its heartbeats), and then dies or hangs
+# (mid-transfer); or a consumer that joins and dies.
+FAKE_PEER = """
 import os, sys, time, torch
-from nanoserve.kv_transfer.pipe import join
+from nanoserve.kv_transfer.pipe import connect, join, take_number
 from nanoserve.kv_transfer_config import KVTransferConfig
-group = join(KVTransferConfig(kv_connector="P2pConnector", kv_role="kv_producer", kv_port=int(sys.argv[1])),
-             torch.device("cpu"))
-count = torch.empty(1, dtype=torch.int64)
-group.recv([count], 1, 0).wait()
-group.recv([torch.empty(int(count), dtype=torch.int64)], 1, 0).wait()
-print("pulled", flush=True)
-if sys.argv[2] == "die":
+config = KVTransferConfig(kv_connector="P2pConnector", kv_role=sys.argv[2], kv_port=int(sys.argv[1]))
+store = connect(config)
+group = join(store, config, torch.device("cpu"), take_number(store, config))
+if config.is_producer:
+    count = torch.zeros(1, dtype=torch.int64)
+    while not count:
+        group.recv([count], 1, 0).wait()
+    group.recv([torch.empty(int(count), dtype=torch.int64)], 1, 0).wait()
+print("pulled" if config.is_producer else "joined", flush=True)
+if sys.argv[3] == "die":
     os._exit(1)
 time.sleep(600)
 """
+
+
+def fake_peer(port: int, role: str, fault: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", FAKE_PEER, str(port), role, fault], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True)
 
 
 @pytest.mark.parametrize("fault", ["die", "hang"])
@@ -195,8 +219,7 @@ def test_a_producer_that_dies_or_hangs_mid_transfer(tiny_models, fault):
     leaked, and the requests after it are served, computed here too."""
     path = tiny_models["qwen3"]
     port = free_port()
-    fake = subprocess.Popen([sys.executable, "-c", FAKE_PRODUCER, str(port), fault], cwd=ROOT,
-                            stdout=subprocess.PIPE, text=True)
+    fake = fake_peer(port, "kv_producer", fault)
     try:
         consumer = LLM(path, **ROOMY_POOL, kv_transfer_config=config(
             "kv_consumer", port, kv_connector_extra_config={"transfer_timeout": 2.0}))
@@ -226,6 +249,82 @@ def test_a_producer_that_dies_or_hangs_mid_transfer(tiny_models, fault):
         fake.wait()
 
 
+def rejoined(llm: LLM, num_joins: int, timeout: float = 120.0) -> None:
+    """Wait until llm's end of the pair has joined num_joins pairs (its peer came back)."""
+    deadline = time.monotonic() + timeout
+    while connector(llm).pipe.num_joins < num_joins:
+        assert time.monotonic() < deadline, f"the pair was not joined again: {connector(llm).pipe.error}"
+        time.sleep(0.1)
+
+
+def test_a_killed_producer_fails_transfers_at_once_and_its_restart_is_joined(tiny_models):
+    """kill -9 of the producer while the consumer's first pull waits for its answer, two more queued behind it:
+    all three fail at once (not after transfer_timeout) and are computed on the consumer, as is a new request sent
+    straight to it. A producer started again on the same port is joined with no restart of the consumer, and the
+    next prompts' blocks come over again."""
+    path = tiny_models["qwen3"]
+    port = free_port()
+    fake = fake_peer(port, "kv_producer", "hang")
+    killed = []
+
+    def kill_mid_transfer() -> None:
+        if fake.stdout.readline() == "pulled\n":
+            fake.kill()
+            killed.append(time.monotonic())
+
+    killer = threading.Thread(target=kill_mid_transfer)
+    killer.start()
+    try:
+        consumer = LLM(path, **ROOMY_POOL, kv_transfer_config=config(
+            "kv_consumer", port, kv_connector_extra_config={"transfer_timeout": 60.0}))
+        prompts = random_prompts(3, seed=9, low=20, high=40)
+        params = dataclasses.replace(GREEDY, kv_transfer_params={"do_remote_prefill": True})
+        outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert killed and time.monotonic() - killed[0] < 2.0  # (transfer_timeout is 60 s)
+        assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+        assert [o.num_cached_tokens for o in outputs] == [0, 0, 0]
+        new = random_prompts(1, seed=10, low=20, high=40)
+        start = time.monotonic()
+        later = consumer.generate([{"prompt_token_ids": new[0]}], params, use_tqdm=False)
+        assert time.monotonic() - start < 2.0 and connector(consumer).pipe.error is not None
+        assert later[0].outputs[0].token_ids == hf_greedy(path, new, 8)[0] and later[0].num_cached_tokens == 0
+        assert connector(consumer).stats.num_failed_transfers == 4
+        assert_nothing_leaked(consumer)
+    finally:
+        fake.kill()
+        fake.wait()
+        killer.join()
+    producer = LLM(path, **ROOMY_POOL, kv_transfer_config=config("kv_producer", port))  # back, on the same port
+    rejoined(consumer, 2)
+    prompts = random_prompts(3, seed=11, low=20, high=40)
+    outputs = disaggregated(producer, consumer, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+    assert [o.num_cached_tokens for o in outputs] == [len(p) - 1 for p in prompts]  # the blocks came over
+    assert connector(consumer).stats.num_failed_transfers == 4 and connector(consumer).pipe.error is None
+    assert_nothing_leaked(producer, consumer)
+
+
+def test_a_consumer_that_comes_back_is_joined(tiny_models):
+    """A consumer that dies (one that joins and exits) breaks the producer's pair; the next consumer on its port
+    is joined with no restart of the producer, and gets its blocks."""
+    path = tiny_models["qwen3"]
+    port = free_port()
+    producer = LLM(path, **ROOMY_POOL, kv_transfer_config=config("kv_producer", port))
+    fake = fake_peer(port, "kv_consumer", "die")
+    try:
+        assert fake.stdout.readline() == "joined\n" and fake.wait(timeout=60) == 1
+    finally:
+        fake.kill()
+        fake.wait()
+    consumer = LLM(path, **ROOMY_POOL, kv_transfer_config=config("kv_consumer", port))
+    prompts = random_prompts(3, seed=12, low=20, high=40)
+    outputs = disaggregated(producer, consumer, prompts)
+    assert [o.outputs[0].token_ids for o in outputs] == hf_greedy(path, prompts, 8)
+    assert [o.num_cached_tokens for o in outputs] == [len(p) - 1 for p in prompts]
+    assert connector(producer).pipe.num_joins == 2
+    assert_nothing_leaked(producer, consumer)
+
+
 def test_the_proxy_command(capsys):
     from nanoserve.serving import cli
     from nanoserve.serving.proxy import prefill_body
@@ -233,6 +332,10 @@ def test_the_proxy_command(capsys):
     with pytest.raises(SystemExit) as done:
         cli.main(["proxy", "--help"])
     assert done.value.code == 0 and "--prefill URL" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:  # checked at start: a non-zero exit with one line
+        cli.main(["proxy", "--prefill", "not-a-url", "--decode", "http://127.0.0.1:8200"])
+    assert str(refused.value.code).startswith("nanoserve proxy: --prefill 'not-a-url' is not an http://")
+    assert "\n" not in refused.value.code
     # The prefill instance computes the prompt and one token, not streamed, whatever the client asked for.
     body = {"prompt": "Hi", "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}, "n": 2,
             "max_completion_tokens": 64, "min_tokens": 4, "temperature": 0.5}

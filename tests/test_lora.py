@@ -170,11 +170,13 @@ def test_each_rank_holds_its_share_of_a_slot():
     torch.testing.assert_close(shares[0] + shares[1], whole)
 
 
-def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters):
+def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters, monkeypatch):
     """The Triton path (nanoserve/lora/triton_lora.py, CUDA's), here through Triton's interpreter: prefills with
     the rows grouped by slot, decode steps with the per-row kernel, adapters 1-3 and the base model in one batch.
-    On a GPU natively, the decode steps replayed from CUDA graphs captured with LoRA on."""
+    On a GPU natively, the decode steps replayed from CUDA graphs captured with LoRA on. The weights stay plain, as
+    on a GPU (not reordered for oneDNN): A is stacked under them, and the base matmul computes h."""
     pytest.importorskip("triton")
+    monkeypatch.setattr("nanoserve.layers.onednn.reorders_for_onednn", lambda dtype: False)
     llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=3, dtype="float32", **ROOMY_POOL)
     llm.engine.model_runner.model.lora_slots.grouped = True  # (what LoRASlots picks on CUDA)
     graphs, replays = llm.engine.model_runner.cuda_graphs, []

@@ -41,7 +41,7 @@ def test_fork_then_copy_on_write(make):  # noqa: F811
     s = make(num_blocks=8)
     family = add_request(s, 0, 6, n=3, max_tokens=3)  # blocks 0 and 1; block 1 holds 2 of its 4 tokens
     out = s.schedule()
-    assert batch(out) == [(0, 6)] and out.forks == [family[1:]]  # the prompt is computed once
+    assert batch(out) == [(0, 6)] and [r.forks for r in out.rows] == [family[1:]]  # the prompt is computed once
     s.postprocess(out, [7, 8, 9])  # its last row is sampled 3 times: one first token per sequence
     assert [seq.completion_token_ids for seq in family] == [[7], [8], [9]]
     assert [seq.block_table for seq in family] == [[0, 1]] * 3 and refs(s, 3) == [3, 3, 0]

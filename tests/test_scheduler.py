@@ -89,7 +89,7 @@ def test_prefill_budget_counts_only_the_tokens_past_the_cached_prefix(make):
     for seq in seqs:
         s.add(seq)
     out = s.schedule()  # 3 x 12 tokens would not fit the budget of 16; 3 x 4 computed tokens do
-    assert ids(out.seqs) == [1, 2, 3] and out.num_scheduled_tokens == [4, 4, 4]
+    assert ids(out.seqs) == [1, 2, 3] and [r.num_tokens for r in out.rows] == [4, 4, 4]
     assert [seq.num_cached_tokens for seq in seqs] == [8, 8, 8]
 
 

@@ -35,12 +35,13 @@ def add(scheduler: Scheduler, seq_id: int, num_tokens: int, priority: int = 0, *
 def step(scheduler: Scheduler) -> SchedulerOutput:
     """One engine step: every sequence that reaches its end samples TOKEN."""
     out = scheduler.schedule()
-    scheduler.postprocess(out, [TOKEN] * (sum(out.do_sample) + sum(map(len, out.forks))))  # n > 1: forks too
+    num_sampled = sum(r.do_sample + len(r.forks) for r in out.rows)  # n > 1: forks too
+    scheduler.postprocess(out, [TOKEN] * num_sampled)
     return out
 
 
 def batch(out: SchedulerOutput) -> list[tuple[int, int]]:
-    return [(seq.seq_id, n) for seq, n in zip(out.seqs, out.num_scheduled_tokens)]
+    return [(r.seq.seq_id, r.num_tokens) for r in out.rows]
 
 
 def ids(seqs) -> list[int]:
@@ -68,7 +69,7 @@ def test_token_budget_article_example(make):
     r1, r2, r3 = add(s, 1, 3), add(s, 2, 5), add(s, 3, 12)
     out = s.schedule()
     assert batch(out) == [(1, 3), (2, 5), (3, 2)]  # R3 gets the 2 tokens left of the budget
-    assert out.do_sample == [True, True, False]  # R3's chunk stops short of its prompt's end
+    assert [r.do_sample for r in out.rows] == [True, True, False]  # R3's chunk stops short of its prompt's end
     s.postprocess(out, [TOKEN, TOKEN])
     assert [r.num_completion_tokens for r in (r1, r2, r3)] == [1, 1, 0]
     assert batch(step(s)) == [(1, 1), (2, 1), (3, 8)]  # two decodes and a chunk in one step

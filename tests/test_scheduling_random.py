@@ -84,13 +84,13 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
 
 def check_step(out: SchedulerOutput, config: Config) -> None:
     assert len(out.seqs) <= config.max_num_seqs
-    for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+    for seq, start, n in ((r.seq, r.start, r.num_tokens) for r in out.rows):
         assert 1 <= n and start + n == seq.num_computed_tokens <= len(seq)
         assert len(seq.block_table) * config.block_size >= start + n
     if config.enable_chunked_prefill or out.is_prefill:
-        assert sum(out.num_scheduled_tokens) <= config.max_num_batched_tokens
+        assert out.total_num_scheduled_tokens <= config.max_num_batched_tokens
     else:  # nano-vllm's decode steps are bounded by max_num_seqs
-        assert all(n == 1 for n in out.num_scheduled_tokens)
+        assert all(r.num_tokens == 1 for r in out.rows)
 
 
 def move_kv(kv: dict, host_kv: dict, out: SchedulerOutput, block_size: int) -> None:
@@ -106,7 +106,7 @@ def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int) -> None:
     """The batch writes its new tokens (all of them before anyone reads, as the model does); then each
     sequence's context, up to the end of its chunk, must be its own."""
     written = {}
-    for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+    for seq, start, n in ((r.seq, r.start, r.num_tokens) for r in out.rows):
         for p in range(start, start + n):
             slot = (seq.block_table[p // block_size], p % block_size)
             assert slot not in written, "two sequences write one KV slot in one step"
@@ -154,7 +154,8 @@ def drive(config, requests: list, scheduler: Scheduler, write_and_check, check_b
         move_kv(kv, host_kv, out, config.block_size)
         write_and_check(kv, out)
         scheduler.postprocess(out, [next_token(s.token_ids, s.index) for seq, do_sample, forks in
-                                    zip(out.seqs, out.do_sample, out.forks) if do_sample for s in [seq, *forks]])
+                                    ((r.seq, r.do_sample, r.forks) for r in out.rows) if do_sample
+                                    for s in [seq, *forks]])
         check_books()
     else:
         pytest.fail("requests still unfinished after 10000 steps")

@@ -432,6 +432,7 @@ BAD_REQUESTS = [  # (route, body, status, param): every kind of input the server
     ("completions", {"prompt": ""}, 400, "prompt"),
     ("completions", {"prompt": [5] * MAX_MODEL_LEN, "max_tokens": 8}, 400, "prompt"),  # over max_model_len
     ("completions", {"prompt": [1, 2, 10 ** 9]}, 400, "prompt"),  # not a token of this vocabulary
+    ("completions", {"prompt": [[-1]], "echo": True}, 400, "prompt"),  # (echo decoded it first: a 500)
     ("completions", {"prompt": "Hi", "priority": 3}, 400, "priority"),  # needs --scheduling-policy priority
     ("completions", {"prompt": "Hi", "n": 0}, 400, "n"),
     ("completions", {"prompt": "Hi", "n": 1000}, 400, "n"),  # over max_num_seqs (256)

@@ -93,13 +93,13 @@ def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int, window: 
     """The batch writes its new tokens, then every token it computed must find its own KV in the slots of its
     window: positions p - window + 1 .. p (never in the null block)."""
     written = {}
-    for seq, start, n in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
+    for seq, start, n in ((r.seq, r.start, r.num_tokens) for r in out.rows):
         for p in range(start, start + n):
             slot = (seq.block_table[p // block_size], p % block_size)
             assert slot not in written and slot[0] != NULL_BLOCK
             written[slot] = tuple(seq.token_ids[: p + 1])
     kv.update(written)
-    for seq, start in zip(out.seqs, out.num_computed_tokens):
+    for seq, start in ((r.seq, r.start) for r in out.rows):
         for p in range(max(start - window + 1, 0), seq.num_computed_tokens):
             block_id = seq.block_table[p // block_size]
             assert block_id != NULL_BLOCK and kv.get((block_id, p % block_size)) == tuple(seq.token_ids[: p + 1])

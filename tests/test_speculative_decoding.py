@@ -266,7 +266,7 @@ def test_random_accept_reject_keeps_the_books(tiny_models, seed):
                 seq.spec_token_ids = [rng.randrange(3, 50) for _ in range(rng.randint(0, 5))]
         out = scheduler.schedule()
         rows = []
-        for seq, do_sample in zip(out.seqs, out.do_sample):
+        for seq, do_sample in ((r.seq, r.do_sample) for r in out.rows):
             if not do_sample:
                 continue
             drafts = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])

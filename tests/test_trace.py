@@ -96,7 +96,10 @@ def test_article_example_table(tiny_models):
     params = [SamplingParams(temperature=0, ignore_eos=True, max_tokens=m) for m in (4, 4, 2)]
     llm.generate(prompts, params, use_tqdm=False)
     table = format_trace(llm.trace, {0: "R1", 1: "R2", 2: "R3"}).splitlines()
-    assert [line.rsplit(maxsplit=1)[0] for line in table] == [  # all but the ms column
+    # The last column is the time since the step before, not the step's own time: its header says so.
+    assert table[0].endswith("tokens/budget  ms since prev")
+    table[0] = table[0].removesuffix("ms since prev") + "-"
+    assert [line.rsplit(maxsplit=1)[0] for line in table] == [  # all but the ms since prev column
         "step  kind     batch                           events                      w/r/s     blocks u/c/f  "
         "tokens/budget",
         "   0  prefill  R1:3 R2:5 R3:2*                                             0/3/0     6/0/10        10/10",
@@ -213,7 +216,7 @@ def test_speculative_drafts_are_recorded(tiny_models, monkeypatch, scheduling):
         recomputed |= set(rec.recomputed)
     assert sum(len(view.spec) for view in views) == spec.num_drafts
     table = format_trace(trace).splitlines()
-    assert table[0].split()[-3:] == ["spec", "a/p", "ms"]
+    assert table[0].split()[-5:] == ["spec", "a/p", "ms", "since", "prev"]
     names = default_names(trace)
     for rec, line in zip(trace, table[1:]):
         accepted, proposed = (sum(r.num_accepted_tokens for r in rec.scheduled),

@@ -34,8 +34,8 @@ def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
 def beam_rows(out: SchedulerOutput, rows: list, first_row: int) -> tuple[list[int], tuple[SchedulerOutput, list[int]]]:
     """The extra_logits_rows seam: the batch row of each beam's newest token, for the beams that sample (in batch
     order); its state: the plan and where those rows are among the logits."""
-    ends = accumulate(out.num_scheduled_tokens)
-    batch_rows = [end - 1 for seq, do_sample, end in zip(out.seqs, out.do_sample, ends) if do_sample and seq.raw_logits]
+    ends = accumulate(row.num_tokens for row in out.rows)
+    batch_rows = [end - 1 for row, end in zip(out.rows, ends) if row.do_sample and row.seq.raw_logits]
     return batch_rows, (out, list(range(first_row, first_row + len(batch_rows))))
 
 
@@ -122,7 +122,7 @@ class BeamScheduler:
         requests, logits = self.engine.requests, out.raw_logits
         for request in {requests[s.request_id]: None for s in out.preempted if s.raw_logits}:
             self._restart_if_recomputed(request)
-        beam_seqs = [s for s, do_sample in zip(out.seqs, out.do_sample) if do_sample and s.raw_logits]
+        beam_seqs = [row.seq for row in out.rows if row.do_sample and row.seq.raw_logits]
         row_of = {s.seq_id: row for row, s in enumerate(beam_seqs)}
         outputs = []
         for request in {requests[s.request_id]: None for s in beam_seqs if not s.is_finished}:

@@ -98,10 +98,11 @@ class BlockManager:
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
         """Register the blocks tokens start..end filled, after the forward: earlier, a hit could read unwritten KV."""
-        if not self.enable_prefix_caching:
+        first, last = start // self.block_size, end // self.block_size
+        if not self.enable_prefix_caching or first == last:  # (most decode steps fill no block)
             return
         hashes = seq.block_hashes  # (full blocks of known tokens only)
-        for i in range(start // self.block_size, min(end // self.block_size, len(hashes))):
+        for i in range(first, min(last, len(hashes))):
             self.cache_block(seq.block_table[i], hashes[i], seq.block(i))
 
     def cache_block(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:

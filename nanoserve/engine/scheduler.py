@@ -24,6 +24,10 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
 
+    def queues(self) -> dict[str, RequestQueue]:
+        """Every queue a sequence may be in, by name (what the trace, the metrics and the dashboard show)."""
+        return {"waiting": self.waiting, "running": self.running}
+
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
@@ -35,16 +39,16 @@ class Scheduler:
         for after_schedule in self.seams.after_schedule:  # e.g. the host tier's copies join the plan
             after_schedule(out)
         self.stats.num_prefill_steps += out.is_prefill
-        for seq, num_tokens, do_sample in zip(out.seqs, out.num_scheduled_tokens, out.do_sample):
-            seq.num_computed_tokens += num_tokens
-            seq.num_output_placeholders += do_sample
+        for row in out.rows:
+            row.seq.num_computed_tokens += row.num_tokens
+            row.seq.num_output_placeholders += row.do_sample
         return out
 
     def _plan(self, out: SchedulerOutput) -> None:
         if not self.enable_chunked_prefill:
             # Prefill: whole waiting prompts in order; if any was admitted, the step is theirs alone (nano-vllm).
             self._schedule_waiting(out, self.max_num_batched_tokens)
-            out.is_prefill = bool(out.seqs)
+            out.is_prefill = bool(out.rows)
             if out.is_prefill:
                 return
         # Decode (with chunked prefill, V1: running requests, then waiting ones, sharing one token budget).
@@ -53,7 +57,7 @@ class Scheduler:
         if len(out.preempted) == num_preempted:  # a step that had to preempt brings nobody in (V1)
             self._schedule_after_running(out, budget)
         if self.enable_chunked_prefill:
-            decodes = [out.is_decode(i) for i in range(len(out.seqs))]
+            decodes = [out.is_decode(row) for row in out.rows]
             out.is_prefill = not all(decodes)
             self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
@@ -136,25 +140,25 @@ class Scheduler:
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
         """Take a step's tokens in (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
         sampled, updated = iter(token_ids), []
-        for seq, start, num_tokens, do_sample, forks in zip(out.seqs, out.num_computed_tokens,
-                                                            out.num_scheduled_tokens, out.do_sample, out.forks):
+        for row in out.rows:
+            seq = row.seq
             lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            num_drawn = 0 if seq.raw_logits else do_sample + len(forks) + len(lookahead)
+            num_drawn = 0 if seq.raw_logits else row.do_sample + len(row.forks) + len(lookahead)
             new_token_ids = list(islice(sampled, num_drawn))
             if seq.is_finished:
                 continue
             if seq.status == SequenceStatus.RUNNING and not lookahead:  # (a preempted one lost these blocks)
-                self.block_manager.hash_blocks(seq, start, start + num_tokens)  # their KV is written now
-            if not do_sample:  # a prompt chunk short of the end: nothing to sample yet
+                self.block_manager.hash_blocks(seq, row.start, row.start + row.num_tokens)  # KV written now
+            if not row.do_sample:  # a prompt chunk short of the end: nothing to sample yet
                 self.stats.num_chunked_prefills += 1
                 continue
             seq.num_output_placeholders -= 1
             if lookahead:  # speculative decoding: keep the verified run, roll back past the first rejected token
-                updated += self.seams.accept_lookahead(self, out, seq, start, new_token_ids)
+                updated += self.seams.accept_lookahead(self, out, seq, row.start, new_token_ids)
                 continue
-            for child in forks:
-                self._fork(seq, child, start + num_tokens)
-            for s, token_id in zip([seq, *forks], new_token_ids):
+            for child in row.forks:
+                self._fork(seq, child, row.start + row.num_tokens)
+            for s, token_id in zip([seq, *row.forks], new_token_ids):
                 self.append_tokens(s, [token_id])
                 updated.append(s)
                 if s.finish_reason is not None:

@@ -5,47 +5,72 @@ import torch
 from nanoserve.engine.sequence import Sequence
 
 
+@dataclass(slots=True)
+class ScheduledSequence:
+    """One row of a step's plan: seq computes num_tokens tokens from position start (its
+    num_computed_tokens before the step), and samples if that reaches its end."""
+
+    seq: Sequence
+    start: int
+    num_tokens: int
+    do_sample: bool
+    # n > 1: the request's other sequences, sampled from seq's row, then forked from it
+    forks: list[Sequence]
+
+
 @dataclass
 class SchedulerOutput:
-    """One step's plan (vLLM's name): seqs[i] computes num_scheduled_tokens[i] tokens from num_computed_tokens[i],
-    sampling if that reaches its end. Block copies run before the forward, reads of the device pool (swap-outs,
-    offloads) first: a block they free may be a destination. Fields past blocks_to_copy are the chapters'."""
+    """One step's plan (vLLM's name): a row per scheduled sequence, in batch order. Block copies run
+    before the forward, reads of the device pool (swap-outs, offloads) first: a block they free may
+    be a destination. Fields past blocks_to_copy are the chapters'."""
 
-    seqs: list[Sequence] = field(default_factory=list)
-    num_scheduled_tokens: list[int] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)  # where each chunk starts
-    do_sample: list[bool] = field(default_factory=list)
-    forks: list[list[Sequence]] = field(default_factory=list)  # sampled from the same row as seqs[i], forked
+    rows: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (source, destination)
-    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/: evicted (device, host)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)  # kv_offload/'s hits back (host, device)
-    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # the executor's, with why
-    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)  # (a failed load's block has no KV)
-    kv_connector_metadata: object = None  # kv_transfer/: the step's KV loads and saves for another engine
+    # Block moves, each a pair: swap-outs (device block, host block), swap-ins (host block, device
+    # block), copy-on-write copies (source, destination), kv_offload/'s evictions (device, host) and
+    # its hits loaded back (host, device).
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
+    # The executor's failed offloads and loads, with why (a failed load's block has no KV).
+    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
+    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
+    # kv_transfer/: the step's KV loads and saves for another engine
+    kv_connector_metadata: object = None
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
-    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)  # seq_id -> lookahead tokens
-    # What the step's output did, for its record (nanoserve/step_records.py):
-    num_accepted_tokens: dict[int, int] = field(default_factory=dict)  # seq_id -> how many lookahead tokens passed
-    raw_logits: torch.Tensor | None = None  # the logits rows of sequences with raw_logits (beam search), in order
-    forked_beams: list[tuple[int, int]] = field(default_factory=list)  # beam search: (new beam, its parent)
-    dropped_beams: list[int] = field(default_factory=list)  # beam search: beams without a child, freed
+    # seq_id -> lookahead tokens
+    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+    # What the step's output did, for its record (nanoserve/step_records.py): seq_id -> how many
+    # lookahead tokens passed; the logits rows of sequences with raw_logits (beam search), in order;
+    # beam search's forked beams (new beam, its parent) and dropped ones (without a child, freed).
+    num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    raw_logits: torch.Tensor | None = None
+    forked_beams: list[tuple[int, int]] = field(default_factory=list)
+    dropped_beams: list[int] = field(default_factory=list)
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [row.seq for row in self.rows]
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(row.num_tokens for row in self.rows)
 
     def add(self, seq: Sequence, num_tokens: int) -> None:
-        end = seq.num_computed_tokens + num_tokens
-        self.seqs.append(seq)
-        self.num_scheduled_tokens.append(num_tokens)
-        self.num_computed_tokens.append(seq.num_computed_tokens)
-        self.do_sample.append(end == len(seq))
-        # n > 1: the prompt's first token is sampled n times, and the request's other sequences fork from this one.
-        self.forks.append(seq.group[1:] if self.do_sample[-1] and end == seq.num_prompt_tokens else [])
+        start = seq.num_computed_tokens
+        end = start + num_tokens
+        do_sample = end == len(seq)
+        # n > 1: the prompt's first token is sampled n times, and the request's other sequences fork
+        # from this one.
+        forks = seq.group[1:] if do_sample and end == seq.num_prompt_tokens else []
+        self.rows.append(ScheduledSequence(seq, start, num_tokens, do_sample, forks))
         if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
             self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
-    def is_decode(self, i: int) -> bool:
-        """Row i computes only its newest generated token (and any lookahead drafts after it), no prefill work."""
-        seq = self.seqs[i]
-        num_drafts = len(self.scheduled_spec_decode_tokens.get(seq.seq_id, []))
-        return self.num_scheduled_tokens[i] == 1 + num_drafts and self.num_computed_tokens[i] >= seq.num_prompt_tokens
+    def is_decode(self, row: ScheduledSequence) -> bool:
+        """row computes only its newest generated token (and any lookahead drafts after it), no
+        prefill work."""
+        num_drafts = len(self.scheduled_spec_decode_tokens.get(row.seq.seq_id, []))
+        return row.num_tokens == 1 + num_drafts and row.start >= row.seq.num_prompt_tokens

@@ -1,4 +1,5 @@
-"""The units the scheduler moves: a `Sequence`, its `Request` (n sequences), and the `RequestQueue` they wait in."""
+"""The units the scheduler moves: a `Sequence`, its `Request` (n sequences), and the `RequestQueue`
+they wait in."""
 from collections import deque
 from collections.abc import Iterator
 from enum import Enum, auto
@@ -25,43 +26,52 @@ def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
 class SequenceStatus(Enum):
     WAITING = auto()
     RUNNING = auto()
-    SWAPPED = auto()  # preempted with its KV copied to host memory (the swap chapter, nanoserve/scheduling/swap.py)
+    # preempted with its KV copied to host memory (the swap chapter, nanoserve/scheduling/swap.py)
+    SWAPPED = auto()
     FINISHED = auto()
 
 
 class Sequence:
     """One sequence of a request: its tokens, where their KV lives, how far the model has got."""
 
-    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams, block_size: int,
-                 priority: int = 0, request_id: str = "", index: int = 0, lora_request: LoRARequest | None = None):
+    def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams,
+                 block_size: int, priority: int = 0, request_id: str = "", index: int = 0,
+                 lora_request: LoRARequest | None = None):
         self.seq_id = seq_id  # ids count up in arrival order
-        self.request_id, self.index = request_id, index  # the caller's name for it; which of its request's n
-        self.group = [self]  # the request's n sequences: Request.seqs, one list shared by all of them
-        self.priority, self.lora_request = priority, lora_request  # records a chapter reads (priority, LoRA)
+        self.request_id = request_id  # the caller's name for it
+        self.index = index  # which of its request's n
+        self.group = [self]  # the request's n sequences: Request.seqs, one list shared by them all
+        self.priority, self.lora_request = priority, lora_request  # records a chapter reads
         self.status = SequenceStatus.WAITING
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.sampling_params, self.block_size = sampling_params, block_size
-        self.block_table: list[int] = []  # logical block i of this sequence lives in physical block_table[i]
+        self.block_table: list[int] = []  # its logical block i lives in physical block_table[i]
         # The chained hash of each full block of its tokens, computed once as they come (vLLM's
-        # Request.block_hashes); the first chains from hash_root (a LoRA adapter's: the same tokens, other KV).
+        # Request.block_hashes); the first chains from hash_root (a LoRA adapter's: the same tokens,
+        # other KV).
         self.hash_root = -1 if lora_request is None else lora_request.hash_root
         self._block_hashes: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
-        self.num_computed_tokens = 0  # tokens whose KV is in the cache (or being computed): resume from here
-        self.num_output_placeholders = 0  # tokens a step in flight is still sampling, counted in len(seq)
-        self.spec_token_ids: list[int] = []  # lookahead tokens the next step verifies (nanoserve/spec_decode/)
+        self.num_computed_tokens = 0  # tokens with KV in the cache (or being computed): resume here
+        self.num_output_placeholders = 0  # tokens a step in flight is sampling, counted in len(seq)
+        # lookahead tokens the next step verifies (nanoserve/spec_decode/)
+        self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.raw_logits = False  # its request picks its own tokens from the raw logits (beam search): none drawn
-        self.grammar = None  # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
+        # its request picks its own tokens from the raw logits (beam search): none drawn
+        self.raw_logits = False
+        # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
+        self.grammar = None
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
-        # Filled by the model runner when asked for: one dict per generated token, one per prompt token.
-        self.logprobs: list[dict[int, Logprob]] | None = None if sampling_params.logprobs is None else []
+        # Filled by the model runner if asked: one dict per output token, one per prompt token.
+        self.logprobs: list[dict[int, Logprob]] | None = (
+            None if sampling_params.logprobs is None else [])
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
             None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
-        """The tokens the scheduler plans for (vLLM's num_tokens_with_spec): known, in flight and lookahead."""
+        """The tokens the scheduler plans for (vLLM's num_tokens_with_spec): known, in flight and
+        lookahead."""
         return len(self.token_ids) + self.num_output_placeholders + len(self.spec_token_ids)
 
     @property
@@ -82,7 +92,8 @@ class Sequence:
 
     @property
     def num_outputs_in_flight(self) -> int:
-        return max(self.num_output_placeholders - 1, 0)  # async scheduling: 1 while the step before still samples
+        # async scheduling: 1 while the step before still samples
+        return max(self.num_output_placeholders - 1, 0)
 
     @property
     def num_blocks(self) -> int:
@@ -93,10 +104,11 @@ class Sequence:
 
     @property
     def block_hashes(self) -> list[int]:
-        """The hash of each full block of known tokens: what the prefix cache, its host tier and a KV connector
-        name a block's KV by. Each is computed once, when its block fills."""
-        del self._block_hashes[len(self.token_ids) // self.block_size :]  # (a stop string cut the tokens)
-        for i in range(len(self._block_hashes), len(self.token_ids) // self.block_size):
+        """The hash of each full block of known tokens: what the prefix cache, its host tier and a
+        KV connector name a block's KV by. Each is computed once, when its block fills."""
+        num_full_blocks = len(self.token_ids) // self.block_size
+        del self._block_hashes[num_full_blocks:]  # (a stop string cut the tokens)
+        for i in range(len(self._block_hashes), num_full_blocks):
             parent = self._block_hashes[-1] if i else self.hash_root
             self._block_hashes.append(compute_hash(self.block(i), parent))
         return self._block_hashes
@@ -108,21 +120,23 @@ class Sequence:
 class Request:
     """One request (vLLM's name): its n sequences (SamplingParams.n), each with a detokenizer."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams, *,
-                 block_size: int, seq_ids: Iterator[int], tokenizer=None, priority: int = 0,
-                 lora_request: LoRARequest | None = None):
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, *, block_size: int, seq_ids: Iterator[int],
+                 tokenizer=None, priority: int = 0, lora_request: LoRARequest | None = None):
         self.request_id, self.sampling_params = request_id, sampling_params
         self.prompt_token_ids = list(prompt_token_ids)  # (beam search restarts from it)
-        self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size, priority, request_id, i,
-                              lora_request) for i in range(sampling_params.n)]
+        self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size,
+                              priority, request_id, i, lora_request)
+                     for i in range(sampling_params.n)]
         for seq in self.seqs:
             seq.group = self.seqs
-        self.detokenizers = [IncrementalDetokenizer(tokenizer, sampling_params) if tokenizer else None
-                             for _ in self.seqs]
+        self.detokenizers = [IncrementalDetokenizer(tokenizer, sampling_params) if tokenizer
+                             else None for _ in self.seqs]
 
     @property
     def first_seq(self) -> Sequence:
-        """The sequence that prefills the prompt for all n: its cache hits and prompt logprobs are the request's."""
+        """The sequence that prefills the prompt for all n: its cache hits and prompt logprobs are
+        the request's."""
         return self.seqs[0]
 
     @property
@@ -131,12 +145,14 @@ class Request:
 
 
 def num_seats(seq: Sequence) -> int:
-    """The max_num_seqs seats a sequence takes: n until its prompt is done (the rest fork then), else 1."""
+    """The max_num_seqs seats a sequence takes: n until its prompt is done (the rest fork then),
+    else 1."""
     return seq.sampling_params.n if seq.num_completion_tokens == 0 else 1
 
 
 class RequestQueue(deque):
-    """waiting or running (vLLM's request_queue.py): first come, first served; the preempted go to the front."""
+    """waiting or running (vLLM's request_queue.py): first come, first served; the preempted go to
+    the front."""
 
     def add(self, seq: Sequence, front: bool = False) -> None:
         self.appendleft(seq) if front else self.append(seq)

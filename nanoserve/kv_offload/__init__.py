@@ -135,7 +135,8 @@ def fail_invalid_blocks(engine: EngineCore, out: SchedulerOutput) -> list[Engine
     # Async scheduling: a step planned since may have swapped a holder out (the swap chapter), its bad KV with it.
     swapped_out = {host for planned, _ in getattr(engine, "batch_queue", ()) for device, host in
                    planned.blocks_to_swap_out if device in invalid}
-    seqs += [seq for seq in getattr(engine.scheduler, "swapped", ()) if not swapped_out.isdisjoint(seq.block_table)]
+    seqs += [seq for seq in engine.scheduler.queues().get("swapped", ())
+             if not swapped_out.isdisjoint(seq.block_table)]
     return engine.fail(seqs, next(iter(out.failed_loads.values())))
 
 

@@ -182,9 +182,9 @@ class P2pConnector:
         """The after_schedule seam: the step's loads (noted as requests got their blocks) and, on the producer, the
         blocks of every prompt that this step completes, to save after it, go into its plan."""
         meta, self.meta = self.meta, ConnectorMetadata()
-        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
-            params = seq.sampling_params.kv_transfer_params
-            if params and params.get("do_remote_decode") and start + num_tokens == seq.num_prompt_tokens:
+        for row in out.rows:
+            seq, params = row.seq, row.seq.sampling_params.kv_transfer_params
+            if params and params.get("do_remote_decode") and row.start + row.num_tokens == seq.num_prompt_tokens:
                 hashes = prompt_block_hashes(seq, self.block_size)
                 meta.saves += zip(hashes, seq.block_table)
         for request_id in [r for r in self.pulls if r not in self.requests]:  # aborted while waiting

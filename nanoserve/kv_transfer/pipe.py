@@ -9,12 +9,18 @@ The consumer pulls (as vLLM's NIXL connector reads from the prefill instance): i
 prompt blocks it lacks, and the producer answers with the KV of the leading ones its KVStore still holds. Each side
 runs one thread on the group, so the messages of two pulls never interleave:
 
-    consumer -> producer   [n]            int64: how many hashes follow (-1: the consumer leaves)
+    consumer -> producer   [n]            int64: how many hashes follow (0: a heartbeat, no more)
     consumer -> producer   [n]            int64: the block hashes, in prompt order
     producer -> consumer   [1]            int64: m, how many of them it has, from the first on
     producer -> consumer   [m, 2, L, ...] the KV of those m blocks (keys and values, every layer)
+
+When the pair breaks (the peer died), every pull waiting fails at once, and so does every new one
+until the pair is joined again: each side goes back to the rendezvous, so a restarted producer or
+consumer is joined with no restart of the other (vLLM's connectors do not reconnect).
 """
+import logging
 import threading
+import time
 from collections import OrderedDict
 from concurrent.futures import Future
 from datetime import timedelta
@@ -25,8 +31,11 @@ import torch.distributed as dist
 
 from nanoserve.kv_transfer_config import KVTransferConfig
 
+logger = logging.getLogger("nanoserve.kv_transfer")
 PRODUCER, CONSUMER = 0, 1
-CONNECT_TIMEOUT = timedelta(hours=1)  # the peer may start much later; the group waits idle between pulls too
+CONNECT_TIMEOUT = timedelta(hours=1)  # the peer may start much later (a join waits, then again)
+HEARTBEAT = 1.0  # seconds: an idle consumer says it is there, and learns so if the producer is not
+RETRY_DELAY = 0.5  # seconds between a broken pair and the next rendezvous
 
 
 def as_int64(hashes: list[int]) -> torch.Tensor:
@@ -38,11 +47,30 @@ def as_hashes(tensor: torch.Tensor) -> list[int]:
     return tensor.numpy().view(np.uint64).tolist()
 
 
-def join(config: KVTransferConfig, device: torch.device) -> dist.ProcessGroup:
-    """This engine's end of the pair: blocks until the peer has joined too (call it off the engine's thread)."""
-    store = dist.TCPStore(config.kv_ip, config.kv_port, 2, is_master=config.kv_rank == PRODUCER,
-                          timeout=CONNECT_TIMEOUT)
-    store = dist.PrefixStore("nanoserve-kv-transfer", store)
+def connect(config: KVTransferConfig) -> dist.TCPStore:
+    """The rendezvous: the producer hosts the TCPStore (once, for its whole life), the consumer
+    connects to it (waiting until it is up)."""
+    return dist.TCPStore(config.kv_ip, config.kv_port, is_master=config.kv_rank == PRODUCER,
+                         timeout=CONNECT_TIMEOUT, wait_for_workers=False)
+
+
+def take_number(store: dist.Store, config: KVTransferConfig, last: int = 0) -> int:
+    """The number a new pair meets under, so that it never reads the keys of one that broke: each
+    joining consumer takes the next one; the producer, after the pair numbered `last`, waits for a
+    consumer and takes the newest."""
+    if config.kv_rank == PRODUCER:
+        store.wait([f"joined/{last + 1}"])
+        return store.add("joins", 0)
+    number = store.add("joins", 1)
+    store.set(f"joined/{number}", "")
+    return number
+
+
+def join(store: dist.Store, config: KVTransferConfig, device: torch.device,
+         number: int) -> dist.ProcessGroup:
+    """This engine's end of pair `number`: blocks until the peer has joined too (call it off the
+    engine's thread)."""
+    store = dist.PrefixStore(f"nanoserve-kv-transfer/{number}", store)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = CONNECT_TIMEOUT
@@ -86,7 +114,9 @@ class KVStore:
 
 class KVPipe:
     """One end of the pair, its thread joining the group first. The producer's thread answers pulls from its
-    KVStore; the consumer's runs the pulls `pull` queues. Once the group fails (the peer died), every pull fails."""
+    KVStore; the consumer's runs the pulls `pull` queues. While the pair is broken (the peer died),
+    every pull fails at once; the thread meanwhile joins a new pair, with the peer that comes
+    back."""
 
     def __init__(self, config: KVTransferConfig, block_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, store: KVStore | None = None):
@@ -94,34 +124,53 @@ class KVPipe:
         self.device = device  # where the group's tensors live: the GPU for NCCL, the host for gloo
         self.store = store
         self.group: dist.ProcessGroup | None = None
-        self.error: Exception | None = None  # why the pipe is down, for good
+        self.error: Exception | None = None  # why the pair is broken, until it is joined again
+        self.num_joins = 0  # pairs joined so far (more than one: the peer came back)
         self.num_sent_blocks = 0
-        self.pulls: list[tuple[list[int], Future]] = []
+        self.pulls: list[tuple[list[int], Future]] = []  # the one in flight first, till answered
         self.wakeup = threading.Condition()
         role = "producer" if config.is_producer else "consumer"
         self.thread = threading.Thread(target=self._run, name=f"nanoserve-kv-{role}", daemon=True)
         self.thread.start()
 
     def _run(self) -> None:
-        try:
-            self.group = join(self.config, self.device)
-            self._serve() if self.config.is_producer else self._run_pulls()
-        except Exception as error:  # the peer died or the group broke: later pulls fail at once
-            with self.wakeup:
-                self.error = RuntimeError(f"the KV transfer pipe to {self.config.kv_ip}:{self.config.kv_port} "
-                                          f"is down: {error}")
-                pending, self.pulls = self.pulls, []
-            for _, future in pending:
-                if not future.done():
-                    future.set_exception(self.error)
+        """Join, work, and when the pair breaks fail what waits and join again, for as long as the
+        process lives."""
+        rendezvous, number = None, 0
+        while True:
+            try:
+                if rendezvous is None or not self.config.is_producer:  # (a new producer, new store)
+                    rendezvous = connect(self.config)
+                number = take_number(rendezvous, self.config, number)
+                self.group = join(rendezvous, self.config, self.device, number)
+                with self.wakeup:
+                    self.error = None
+                    self.num_joins += 1
+                logger.info("the KV transfer pipe to %s:%d is up (pair %d)", self.config.kv_ip,
+                            self.config.kv_port, number)
+                self._serve() if self.config.is_producer else self._run_pulls()
+            except Exception as error:  # the peer died or the group broke
+                self._fail(error)
+                time.sleep(RETRY_DELAY)
+
+    def _fail(self, error: Exception) -> None:
+        """Every pull waiting, the one in flight too, fails now; new ones fail in `pull` until the
+        next join."""
+        with self.wakeup:
+            self.error = RuntimeError(f"the KV transfer pipe to {self.config.kv_ip}:"
+                                      f"{self.config.kv_port} is down: {error}")
+            pending, self.pulls = self.pulls, []
+        logger.warning("%s; joining again when the peer comes back", self.error)
+        for _, future in pending:
+            future.set_exception(self.error)
 
     # ---- the producer's side ------------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
-            count = self._recv(torch.empty(1, dtype=torch.int64))
-            if int(count) < 0:  # the consumer left
-                return
-            hashes = as_hashes(self._recv(torch.empty(int(count), dtype=torch.int64)).cpu())
+            count = int(self._recv(torch.empty(1, dtype=torch.int64)))
+            if count == 0:  # a heartbeat
+                continue
+            hashes = as_hashes(self._recv(torch.empty(count, dtype=torch.int64)).cpu())
             found = self.store.leading(hashes)
             self._send(torch.tensor([len(found)]))
             if found:
@@ -130,7 +179,9 @@ class KVPipe:
 
     # ---- the consumer's side ------------------------------------------------------------------------
     def pull(self, hashes: list[int]) -> Future:
-        """Ask the producer for these blocks; the future gives the KV of the leading ones it had, one tensor each."""
+        """Ask the producer for these blocks; the future gives the KV of the leading ones it had,
+        one tensor each. (Before the first join, pulls wait for it; while the pair is broken, they
+        fail at once.)"""
         future = Future()
         with self.wakeup:
             if self.error is not None:
@@ -143,25 +194,20 @@ class KVPipe:
     def _run_pulls(self) -> None:
         while True:
             with self.wakeup:
-                while not self.pulls:
-                    self.wakeup.wait()
-                hashes, future = self.pulls.pop(0)
-            if hashes is None:  # close()
-                self._send(torch.tensor([-1]))
-                return
+                self.wakeup.wait_for(lambda: self.pulls, timeout=HEARTBEAT)
+                pull = self.pulls[0] if self.pulls else None  # (it stays queued: a break fails it)
+            if pull is None:  # idle: gloo tells of a dead producer only when the pair is used
+                self._send(torch.tensor([0]))
+                continue
+            hashes, future = pull
             self._send(torch.tensor([len(hashes)]))
             self._send(as_int64(hashes))
             count = int(self._recv(torch.empty(1, dtype=torch.int64)))
             kv = self._recv(torch.empty(count, *self.block_shape, dtype=self.dtype)) if count else None
-            if not future.done():  # (a consumer that gave up waiting has computed the prompt itself)
-                future.set_result([] if kv is None else list(kv.cpu().unbind(0)))
-
-    def close(self) -> None:
-        """The consumer tells the producer it leaves (after the pulls queued before)."""
-        if not self.config.is_producer:
+            # (a consumer that gave up waiting computed the prompt itself: the answer is dropped)
+            future.set_result([] if kv is None else list(kv.cpu().unbind(0)))
             with self.wakeup:
-                self.pulls.append((None, Future()))
-                self.wakeup.notify()
+                self.pulls.pop(0)
 
     def _send(self, tensor: torch.Tensor) -> None:
         self.group.send([tensor.to(self.device)], 1 - self.config.kv_rank, 0).wait()

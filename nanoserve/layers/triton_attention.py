@@ -87,8 +87,14 @@ def paged_attention_kernel(
                 mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     # fp8 converts to float16 in one instruction, to bfloat16 in two (through float16): a bfloat16 model's dots
     # over an fp8 cache run in float16 (benchmarks/ptx_census.py counts them).
-    if k_cache_ptr.dtype.element_ty.is_fp8() and q.dtype == tl.bfloat16:
+    FP8: tl.constexpr = v_cache_ptr.dtype.element_ty.is_fp8()
+    if FP8 and q.dtype == tl.bfloat16:
         q = q.to(tl.float16)
+    # An fp8 cache's V is read as 16-bit pairs, dims 2i and 2i + 1 of a key (HEAD_DIM is even),
+    # and its even and odd dims are multiplied apart: acc holds the even ones, acc_odd the odd
+    # ones, joined at the end. Triton then converts V before it goes to shared memory, so V
+    # reaches the tensor cores as 16-bit values (ldmatrix.trans), not one byte at a time
+    # (benchmarks/ptx_census.py counts them).
 
     # Online softmax (flash attention): walk the context BLOCK_N keys at a time and keep, per row, the running
     # max m_i, the running sum l_i of exp(score - m_i) and the running output acc. When a larger max turns up, the
@@ -96,7 +102,8 @@ def paged_attention_kernel(
     # memory at once, and K/V are read once, whatever the context length.
     m_i = tl.full([BLOCK_Q * GROUP_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_Q * GROUP_PAD], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD // (2 if FP8 else 1)], dtype=tl.float32)
+    acc_odd = tl.zeros([BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD // 2], dtype=tl.float32)  # (fp8 only)
     # Keys after this program's last query position are masked for every row: don't even load them.
     num_keys = tl.minimum(context_len, context_len - q_len + (q_block + 1) * BLOCK_Q)
     # With a window, keys before the first row's window are masked for every row too: start at its tile.
@@ -111,7 +118,16 @@ def paged_attention_kernel(
         kv_mask = (key < num_keys)[:, None] & dim_ok[None, :]
         # [BLOCK_N, HEAD_DIM_PAD], an fp8 cache's converted to q's dtype as they arrive: half of bfloat16's bytes read
         k = tl.load(k_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
-        v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
+        if FP8:  # V: [BLOCK_N, HEAD_DIM_PAD // 2] pairs, each byte bitcast to e4m3, then converted
+            pairs = tl.arange(0, HEAD_DIM_PAD // 2)
+            pair_offs = (slot[:, None] * stride_slot + kv_head * stride_kvh) // 2 + pairs[None, :]
+            pair_mask = (key < num_keys)[:, None] & (pairs < HEAD_DIM // 2)[None, :]
+            v_pairs = tl.load(v_cache_ptr.to(tl.pointer_type(tl.int16)) + pair_offs, mask=pair_mask,
+                              other=0)
+            v = v_pairs.to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)  # the even dims
+            v_odd = (v_pairs >> 8).to(tl.int8).to(tl.float8e4nv, bitcast=True).to(q.dtype)
+        else:
+            v = tl.load(v_cache_ptr + kv_offs, mask=kv_mask, other=0.0).to(q.dtype)
         # Scores in base 2 (exp2 is the GPU's native exponential): s * log2(e) * scale.
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2e
         visible = (key[None, :] <= pos[:, None]) & ((key[None, :] > pos[:, None] - window) | (window == 0))
@@ -124,7 +140,12 @@ def paged_attention_kernel(
         p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if FP8:
+            pv_odd = tl.dot(p.to(v.dtype), v_odd, input_precision=PRECISION)
+            acc_odd = acc_odd * alpha[:, None] + pv_odd
         m_i = m_new
+    if FP8:  # dims 2i and 2i + 1 side by side again
+        acc = tl.reshape(tl.join(acc, acc_odd), [BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD])
     # A padding row of a CUDA graph has no context at all (l_i = 0): write zeros there, not 0/0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     tl.store(out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -149,6 +170,11 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     # Enough query tokens to fill a tile of 64 rows, but at least 16 rows (tl.dot's minimum on a GPU):
     # a decode batch gets one token per program, with GQA's heads as its rows.
     block_q = max(min(triton.next_power_of_2(meta.max_seqlen_q), 64 // group_pad), 16 // group_pad, 1)
+    head_dim_pad = triton.next_power_of_2(head_dim)
+    if v_cache.dtype == torch.float8_e4m3fn:  # V read in pairs of values, half of the dims a dot
+        if head_dim % 2:
+            raise ValueError(f"an fp8 KV cache needs an even head_dim, got {head_dim}")
+        head_dim_pad = max(head_dim_pad, 32)  # (tl.dot's 16 columns at least, on a GPU)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     grid = (meta.context_lens.shape[0], triton.cdiv(meta.max_seqlen_q, block_q), kv_heads)
     # No split over the context ("split-K", "flash-decoding"): a decode batch of 256 sequences x 8 KV heads
@@ -158,7 +184,7 @@ def triton_paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale * 1.4426950408889634, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0), window,
         BLOCK_SIZE=block_size, GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim), BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
+        HEAD_DIM_PAD=head_dim_pad, BLOCK_Q=block_q, BLOCK_N=BLOCK_N,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out

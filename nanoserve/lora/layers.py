@@ -13,7 +13,7 @@ from torch import nn
 
 from nanoserve.engine.cuda_graph import CUDAGraphs
 from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.layers.linear import RowParallelLinear
+from nanoserve.layers.linear import RowParallelLinear, linear
 from nanoserve.lora.adapter import TARGETS
 
 
@@ -73,6 +73,13 @@ class LoRALinear(nn.Module):
     keep its own slot, scaled; B [slots * r, out] (a slot's r rows, its parts' columns side by side) expands each
     part into its columns of the output (rows of other slots add zeros).
 
+    A is stored as extra rows under the base weight (stacked_weight: [out + slots * parts * r, in],
+    the base layer's weight a view of its first rows): on CUDA one matmul reads x once for the base
+    output and every slot's h, and the Triton kernel's expand is LoRA's only launch
+    (triton_lora.py). Its price: every slot's A is read and multiplied, max_loras * parts *
+    max_rank more columns. (A weight reordered for oneDNN, on CPU, keeps A apart: only the PyTorch
+    path runs there.)
+
     With tensor parallelism the slots are cut as the base weight is (vLLM's and punica's split): a column-parallel
     layer (qkv_proj, gate_up_proj) holds A whole and its rank's rows of each B; a row-parallel one (o_proj,
     down_proj) holds its rank's columns of A and B whole, and adds its partial product to the base model's before
@@ -86,12 +93,20 @@ class LoRALinear(nn.Module):
         self.max_loras, self.max_rank = max_loras, max_rank
         like = dict(dtype=base.weight.dtype, device=base.weight.device)
         num_parts, offsets = len(self.output_sizes), [0, *itertools.accumulate(self.output_sizes)]
-        self.lora_a = torch.zeros(base.in_features, max_loras * num_parts * max_rank, **like)
+        a_rows = torch.zeros(max_loras * num_parts * max_rank, base.in_features, **like)
+        self.stacked_weight = self.stacked_bias = None
+        if not base.weight.is_mkldnn:
+            self.stacked_weight = torch.cat([base.weight.detach(), a_rows])
+            a_rows = self.stacked_weight[offsets[-1]:]
+            base.weight = nn.Parameter(self.stacked_weight[: offsets[-1]], requires_grad=False)
+            if base.bias is not None:  # (A's columns of the output get none)
+                zeros = a_rows.new_zeros(a_rows.shape[0])
+                self.stacked_bias = torch.cat([base.bias.detach(), zeros])
+                base.bias = nn.Parameter(self.stacked_bias[: offsets[-1]], requires_grad=False)
+        self.lora_a = a_rows.T
         self.lora_b = torch.zeros(max_loras * max_rank, offsets[-1], **like)
         self.part_offsets = offsets  # each part's first output column, and the end
-        # The same on the device, for the kernels: the expand's parts, and the shrink's one (all r values at once)
-        self.part_cols = torch.tensor(offsets, dtype=torch.int32, device=like["device"])
-        self.shrink_cols = torch.tensor([0, num_parts * max_rank], dtype=torch.int32, device=like["device"])
+        self.part_cols = torch.tensor(offsets, dtype=torch.int32, device=like["device"])  # (kernel)
 
     def set_slot(self, slot: int, part: int, a: torch.Tensor | None, b: torch.Tensor | None) -> None:
         """Put an adapter's A [r, in] and B [out, r] for one part, whole as PEFT saved them, into a slot: this
@@ -114,12 +129,15 @@ class LoRALinear(nn.Module):
         rows = self.rows
         if not rows.active:  # no adapter in this step: the base model, nothing more
             return self.base(x)
-        y = self.base.partial(x) if self.row_parallel else self.base(x)
-        if rows.path != "torch":  # on CUDA: each row times its own slot's weights alone, two launches
-            from nanoserve.lora.triton_lora import add_lora
+        if rows.path != "torch":  # CUDA's: base output and every slot's h in one matmul, then the
+            from nanoserve.lora.triton_lora import add_lora  # expand (each row's own slot) in place
 
-            add_lora(x.contiguous(), y, self, rows)
+            bias = None if self.row_parallel and self.base.tp_rank else self.stacked_bias
+            y = add_lora(linear(x, self.stacked_weight, bias), self, rows)  # a view: rows strided
+            if self.row_parallel and self.base.tp_size > 1:
+                y = y.contiguous()  # (an all-reduce takes contiguous tensors)
         else:
+            y = self.base.partial(x) if self.row_parallel else self.base(x)
             t, r = x.shape[0], self.max_rank
             # The scaling multiplies a row's r values here, not its outputs after B (PEFT's order): fewer products.
             h = (x @ self.lora_a).view(t, self.max_loras, -1, r).mul_(rows.weights[:t, :, None, None])

@@ -91,7 +91,8 @@ class LoRAManager:
             return
         slot_of = {lora_id: self._slot(lora, step) for lora_id, lora in step.items()}
         seq_slots = [slot_of[s.lora_request.lora_int_id] if s.lora_request is not None else -1 for s in out.seqs]
-        row_slots = torch.from_numpy(np.repeat(seq_slots, out.num_scheduled_tokens))  # -1: the base model
+        num_tokens = [row.num_tokens for row in out.rows]
+        row_slots = torch.from_numpy(np.repeat(seq_slots, num_tokens))  # -1: the base model
         self.on_every_rank("set_rows", row_slots, len(row_slots) == len(seq_slots))  # decode: a row per sequence
         self.rows_set = True
 

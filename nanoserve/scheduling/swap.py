@@ -49,6 +49,9 @@ class SwapScheduler(Scheduler):
     def is_finished(self) -> bool:
         return super().is_finished() and not self.swapped
 
+    def queues(self) -> dict[str, RequestQueue]:
+        return {**super().queues(), "swapped": self.swapped}
+
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
         """No new prompt while a request is swapped out (V0): it comes back first."""
         return None if self.swapped else super()._next_waiting(out)

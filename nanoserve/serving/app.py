@@ -214,7 +214,7 @@ def build_app(engine, model_name: str, api_key: str | None = None, tool_call_par
             token_ids = [prompt_token_ids(tokenizer, p) for p in prompts]
         except ValueError as e:
             raise as_api_error(e, request) from e
-        echo = make_echo(request, prompts, token_ids, tokenizer)
+        echo = make_echo(request, prompts, tokenizer)
         return reply(request, await answer(request, raw, token_ids or [[]], request.max_tokens, chat=False, echo=echo))
 
     async def chat(request: ChatCompletionRequest, raw: Request) -> Answer:

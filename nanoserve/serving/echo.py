@@ -13,7 +13,10 @@ from nanoserve.serving.protocol import APIError, CompletionRequest
 
 @dataclass
 class Echo:
-    prompts: list[str]  # each prompt's text as the answer starts with it (token-id prompts decoded)
+    # Each prompt's text as the answer starts with it; None: token ids, decoded here once the engine
+    # has checked them (an id outside the vocabulary is its 400, not the tokenizer's crash).
+    prompts: list[str | None]
+    tokenizer: object
     with_logprobs: bool
     # max_tokens 0: the request runs with max_tokens=1 and `generate_nothing` hides that token, as vLLM does.
     # The engine needs no request that never samples: its prefill computes the last position's logits anyway,
@@ -25,11 +28,14 @@ class Echo:
         logprobs = c.logprobs
         if self.with_logprobs:
             logprobs = out.prompt_logprobs + (c.logprobs or [])
-        return replace(c, text=self.prompts[i] + c.text, token_ids=out.prompt_token_ids + c.token_ids,
+        prompt = self.prompts[i]
+        if prompt is None:
+            prompt = self.tokenizer.decode(out.prompt_token_ids)
+        return replace(c, text=prompt + c.text, token_ids=out.prompt_token_ids + c.token_ids,
                        logprobs=logprobs)
 
 
-def make_echo(request: CompletionRequest, prompts: list, token_ids: list[list[int]], tokenizer) -> Echo | None:
+def make_echo(request: CompletionRequest, prompts: list, tokenizer) -> Echo | None:
     """None without echo; refuses max_tokens 0 without it, and what a prompt-only request cannot have."""
     if request.max_tokens == 0 and not request.echo:
         raise APIError(400, "max_tokens must be >= 1, or 0 with echo=true (score the prompt, generate nothing)",
@@ -40,8 +46,9 @@ def make_echo(request: CompletionRequest, prompts: list, token_ids: list[list[in
         raise APIError(400, f"min_tokens must be in [0, max_tokens=0], got {request.min_tokens}", "min_tokens")
     if tokenizer is None:
         raise APIError(400, "echo: this model folder has no tokenizer to spell the prompt", "echo")
-    texts = [p if isinstance(p, str) else tokenizer.decode(ids) for p, ids in zip(prompts, token_ids)]
-    return Echo(texts, with_logprobs=request.logprobs is not None, score_only=request.max_tokens == 0)
+    texts = [p if isinstance(p, str) else None for p in prompts]
+    return Echo(texts, tokenizer, with_logprobs=request.logprobs is not None,
+                score_only=request.max_tokens == 0)
 
 
 async def generate_nothing(outputs: AsyncIterator[tuple[int, RequestOutput]]):

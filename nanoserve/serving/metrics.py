@@ -32,7 +32,7 @@ class EngineCollector(Collector):
             "num_requests_running": ("Requests in the running batch", len(scheduler.running)),
             "num_requests_waiting": ("Requests waiting to be scheduled", len(scheduler.waiting)),
             "num_requests_swapped": ("Requests whose KV is swapped out to host memory",
-                                     len(getattr(scheduler, "swapped", ()))),  # (the swap chapter's queue)
+                                     len(scheduler.queues().get("swapped", ()))),  # (swap's queue)
             "kv_cache_usage_perc": ("Fraction of KV blocks in use (1 = full)",
                                     1 - blocks.num_free_blocks / blocks.num_blocks),
         }

@@ -46,11 +46,11 @@ class DraftModelProposer:
         if inputs is None:
             return None
         chunks, speculating = [], []  # speculating: (seq, position of its newest token, k)
-        for seq, start, num_tokens in zip(out.seqs, out.num_computed_tokens, out.num_scheduled_tokens):
-            k = len(seq.spec_token_ids)
-            chunks.append((seq, start, seq.token_ids[start : start + num_tokens - k]))
+        for row in out.rows:
+            seq, start, k = row.seq, row.start, len(row.seq.spec_token_ids)
+            chunks.append((seq, start, seq.token_ids[start : start + row.num_tokens - k]))
             if k:
-                speculating.append((seq, start + num_tokens - k - 1, k))
+                speculating.append((seq, start + row.num_tokens - k - 1, k))
         drafts = self.forward(run_draft, chunks, [bool(seq.spec_token_ids) for seq in out.seqs])
         for j in range(1, max((k for _, _, k in speculating), default=0) + 1):
             speculating = [s for s in speculating if s[2] >= j]  # drafts[i]: draft j of speculating[i]

@@ -1,6 +1,7 @@
 """The step table: the step records of `LLM(..., trace=True)` read per sequence (its row name, its state and
 the tokens it computed in each step) and printed one line per step (`format_trace`, `print_trace`): who ran,
-what happened to whom, the queues, the KV blocks, the drafts accepted and the milliseconds.
+what happened to whom, the queues, the KV blocks, the drafts accepted and the milliseconds since the
+step before.
 nanoserve/tools/trace_pictures.py draws the same records; nanoserve/tools/trace.py runs the scripted scenarios.
 """
 from nanoserve.step_records import StepReader, StepRecord
@@ -58,12 +59,13 @@ def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -
     tokens accepted, +NAME = with LoRA adapter NAME), what happened to whom (beam search: "X<Y forked", X a
     new beam sharing Y's blocks; "dropped", a beam without a child, its blocks freed; "N freed behind window",
     sliding-window attention's), the queues (waiting/running/swapped), the KV blocks (used/free-but-cached/free)
-    after the step, with speculative decoding the step's drafts accepted/proposed, and the milliseconds since the
-    step before (in a busy engine: the step's time)."""
+    after the step, with speculative decoding the step's drafts accepted/proposed, and "ms since
+    prev": the milliseconds from the step before's output to this one's, not the step's own time:
+    the host's work between steps counts too, and after an idle wait, the wait."""
     names, loras = names or default_names(trace), adapter_names(trace)
     speculating = any(r.spec_token_ids for rec in trace for r in rec.scheduled)  # (else no spec column)
     lines = [f"{'step':>4}  {'kind':<7}  {'batch':<30}  {'events':<26}  {'w/r/s':<8}  {'blocks u/c/f':<12}  "
-             f"{'tokens/budget':<13}  {'spec a/p  ' if speculating else ''}{'ms':>6}"]
+             f"{'tokens/budget':<13}  {'spec a/p  ' if speculating else ''}{'ms since prev':>13}"]
     for rec, prev, labels in zip(trace, [None, *trace], token_labels(trace)):
         batch = [f"{names[rid]}:{label}{f'+{loras[rid]}' if rid in loras else ''}" for rid, label in labels.items()]
         who = {what: [names[i] for i in ids] for what, ids in (("preempted", rec.recomputed), ("swapped out",
@@ -76,8 +78,9 @@ def format_trace(trace: list[StepRecord], names: dict[int, str] | None = None) -
         blocks = f"{rec.num_used_blocks}/{rec.num_cached_blocks}/{rec.num_free_blocks}"
         spec = f"{spec_totals(rec):<8}  " if speculating else ""
         ms = "-" if prev is None else f"{(rec.time - prev.time) * 1e3:.1f}"  # since the step before
-        lines.append(f"{rec.step:>4}  {rec.kind:<7}  {' '.join(batch):<30}  {', '.join(events):<26}  {queues:<8}  "
-                     f"{blocks:<12}  {f'{rec.num_scheduled_tokens}/{rec.token_budget}':<13}  {spec}{ms:>6}")
+        tokens = f"{rec.num_scheduled_tokens}/{rec.token_budget}"
+        lines.append(f"{rec.step:>4}  {rec.kind:<7}  {' '.join(batch):<30}  {', '.join(events):<26}"
+                     f"  {queues:<8}  {blocks:<12}  {tokens:<13}  {spec}{ms:>13}")
     return "\n".join(lines)
 
 

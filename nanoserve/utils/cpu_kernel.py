@@ -6,8 +6,9 @@ instructions PyTorch picked on this CPU (`torch.backends.cpu.get_cpu_capability(
 there. Config asks it too: "auto" picks a kernel only where it builds (no compiler, or no OpenMP as with
 Apple's clang: the PyTorch path).
 
-A build takes about half a minute on 2 cores, so it says so on stdout before it starts; Config builds the two
-kernels side by side (utils/backends.py: build_cpu_kernels), one compiler process each. Its folder is named by a
+A build takes from half a minute (2 idle cores) to minutes (busy ones), so it says so on stdout
+before it starts; Config builds the two kernels side by side (utils/backends.py: build_cpu_kernels),
+one compiler process each. Its folder is named by a
 hash of what the binary depends on (the source, torch's version, the CPU capability, the flags): checkouts and
 branches sharing one cache reuse each other's builds instead of rebuilding over them. A finished build is known
 by nanoserve's own marker (<build_dir>/built, written once the kernel loaded): with it, the kernel is imported as is,
@@ -50,9 +51,9 @@ CSRC = Path(__file__).parent.parent / "layers" / "csrc"
 # The flags that let at::vec use the instructions PyTorch's own kernels use on this CPU.
 ISA_FLAGS = {"AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"],
              "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma"]}
-# Measured, -O3, AVX-512: one kernel alone 25-30 s on a 2-core AMD EPYC; both side by side (Config builds them so)
-# 31-37 s each on a 2-core Intel Xeon.
-BUILD_SECONDS = "25-40 s on 2 idle cores, longer on a busy machine"
+# Measured, -O3, 2 cores, both side by side (Config builds them so): 31-37 s each on an idle Xeon;
+# 58 s each at a load average of 1, 234-253 s at 5.5 (torch 2.14, 2.15). One alone, idle: 25-30 s.
+BUILD_SECONDS = "30-60 s on 2 idle cores, 4 minutes or more on 2 cores kept busy by other work"
 # How long to wait for another live process building the same kernel before giving up with a message.
 WAIT_FOR_OTHER_BUILD_S = 600.0
 # Written into the build folder after a build that loaded: the only sign nanoserve reads that a kernel is built.
