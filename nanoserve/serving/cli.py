@@ -2,7 +2,7 @@
 
 Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also as
 `--no-...`). The flags are generated from the fields of `Config` and of its chapters' records
-(chapter_configs.py), with the comment beside each field as its help, so an option is written down once.
+(chapter_configs.py), each field's comment as its help, so an option is written down once.
 """
 import argparse
 import asyncio
@@ -36,7 +36,7 @@ def field_comments(cls) -> dict[str, str]:
 
 
 def add_engine_flags(parser: argparse.ArgumentParser) -> None:
-    """A flag per option: the core's fields (Config), then each chapter record's, in a group each."""
+    """A flag per option: the core's fields (Config), then each chapter record's, a group each."""
     core = parser.add_argument_group("engine options (LLM(model, **options), vLLM's names)")
     comments = field_comments(Config)
     for f in fields(Config):
@@ -56,7 +56,8 @@ def add_flag(group, name: str, kind, default, comment: str) -> None:
     help_text = f"{comment} (default: {default})".lstrip().replace("%", "%%")
     flag = "--" + name.replace("_", "-")
     if kind in (bool, bool | None):
-        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help_text)
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default,
+                           help=help_text)
         return
     if isinstance(kind, types.UnionType):  # int, float, str, or `X | None`: the value's type is X
         kind = next(t for t in typing.get_args(kind) if t is not type(None))

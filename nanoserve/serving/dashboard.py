@@ -58,8 +58,10 @@ def page_config(c: Config, model_name: str) -> dict:
     scheduling = c.scheduler_config
     return dict(model=model_name, block_size=c.block_size, max_num_seqs=c.max_num_seqs,
                 max_num_batched_tokens=c.max_num_batched_tokens, enable_chunked_prefill=c.enable_chunked_prefill,
-                enable_prefix_caching=c.enable_prefix_caching, preemption_mode=scheduling.preemption_mode,
-                scheduling_policy=scheduling.scheduling_policy, async_scheduling=scheduling.async_scheduling,
+                enable_prefix_caching=c.enable_prefix_caching,
+                preemption_mode=scheduling.preemption_mode,
+                scheduling_policy=scheduling.scheduling_policy,
+                async_scheduling=scheduling.async_scheduling,
                 speculative_config=asdict(c.speculative_config) if c.speculative_config else None)
 
 
