@@ -1,5 +1,5 @@
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import Field, dataclass, field, fields
 from numbers import Integral, Real
 
 import torch
@@ -255,13 +255,18 @@ CHAPTER_RECORDS = {
 }
 
 
+def core_option_fields() -> list[Field]:
+    """Config's own options: its fields but the model, the chapters' records and what it derives."""
+    return [f for f in fields(Config)
+            if f.init and f.name != "model" and f.name not in CHAPTER_RECORDS]
+
+
 def option_defaults() -> dict[str, object]:
     """Every option `LLM(model, **options)` takes, by its flat name, with its default: the core's
     fields, each chapter record's, and the switches (chapter_configs.SWITCHES)."""
-    core = [f for f in fields(Config)
-            if f.init and f.name != "model" and f.name not in CHAPTER_RECORDS]
     records = [f for cls, _ in CHAPTER_RECORDS.values() for f in fields(cls)]
-    return {f.name: f.default for f in core + records} | dict.fromkeys(SWITCHES, False)
+    defaults = {f.name: f.default for f in core_option_fields() + records}
+    return defaults | dict.fromkeys(SWITCHES, False)
 
 
 def make_config(model: str | None, options: dict) -> Config:

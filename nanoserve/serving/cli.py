@@ -19,7 +19,7 @@ import uvicorn
 
 from nanoserve import AsyncLLM
 from nanoserve.chapter_configs import SWITCHES
-from nanoserve.config import CHAPTER_RECORDS, Config, option_defaults
+from nanoserve.config import CHAPTER_RECORDS, Config, core_option_fields, option_defaults
 from nanoserve.serving.app import build_app
 from nanoserve.serving.lora import LoRAModulePath, parse_lora_module
 from nanoserve.serving.proxy import add_proxy_flags
@@ -39,9 +39,8 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     """A flag per option: the core's fields (Config), then each chapter record's, a group each."""
     core = parser.add_argument_group("engine options (LLM(model, **options), vLLM's names)")
     comments = field_comments(Config)
-    for f in fields(Config):
-        if f.init and f.name != "model" and f.name not in CHAPTER_RECORDS:
-            add_flag(core, f.name, f.type, f.default, comments.get(f.name, ""))
+    for f in core_option_fields():
+        add_flag(core, f.name, f.type, f.default, comments.get(f.name, ""))
     for name, (cls, switch) in CHAPTER_RECORDS.items():
         group = parser.add_argument_group(f"{cls.__name__} options (Config.{name}), vLLM's names")
         if switch in SWITCHES:
