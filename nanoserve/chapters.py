@@ -1,9 +1,11 @@
 """The chapters: nanoserve's LLM and AsyncLLM, the core's with every feature plugged in (`nanoserve.LLM`).
 
-`build_engine(config)` is the one place that builds an engine from its config and hands each feature its seams
-(engine/seams.py). A feature the config asks for is plugged in here, its module imported only then; a feature a
-request asks for (structured outputs, beam search) joins with its first request. A plain request asks for none,
-so it runs the core alone (tests/test_reading_guide.py checks that).
+`build_engine(config)` is the one place that builds an engine from its config: it picks each part's class (the
+core's, or a chapter's subclass of it: the scheduler designs, the window's block manager, the persistent batch, the
+ranks' executor, async scheduling's engine; chapters that meet on one class meet here, as PrioritySwapScheduler),
+then hands the other features their seams (engine/seams.py). A feature the config asks for is plugged in here, its
+module imported only then; a feature a request asks for (structured outputs, beam search) joins with its first
+request. A plain request asks for none, so it runs the core alone (tests/test_reading_guide.py checks that).
 """
 import weakref
 from functools import partial

@@ -13,10 +13,12 @@ class Block:
 
 
 class BlockManager:
-    """A pool of KV blocks shared by reference counting. Prefix caching: a prompt reuses full computed blocks by
-    chained hash; a freed block keeps its hash until handed out again (its KV may go to seams.kv_cache_tier)."""
+    """A pool of KV blocks shared by reference counting. Prefix caching: a prompt reuses full
+    computed blocks by chained hash; a freed block keeps its hash until handed out again (its KV
+    may go to seams.kv_cache_tier)."""
 
-    null_block: int | None = None  # a block that stands in a table for KV nobody needs any more (vLLM's): none
+    # A block that stands in a table for KV nobody needs any more (vLLM's): none here.
+    null_block: int | None = None
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  seams: Seams | None = None):
@@ -32,14 +34,16 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def allocate_block(self) -> int:
-        """A free block for new tokens: the least recently freed one; its cached hash, if any, is forgotten."""
+        """A free block for new tokens: the least recently freed one;
+        its cached hash, if any, is forgotten."""
         block_id = self.free_block_ids.popleft()
         self.blocks[block_id].ref_count = 1
         self.uncache([block_id], offload=True)
         return block_id
 
     def uncache(self, block_ids: list[int] | set[int], offload: bool = False) -> None:
-        """Take blocks out of the prefix cache: handed out anew (offload: KV to the second tier first) or miscopied."""
+        """Take blocks out of the prefix cache: handed out anew (offload: KV to the second tier
+        first) or miscopied."""
         for block in (self.blocks[b] for b in block_ids):
             if self.hash_to_block_id.get(block.hash) == block.block_id:
                 del self.hash_to_block_id[block.hash]
@@ -48,9 +52,11 @@ class BlockManager:
             block.hash, block.token_ids = -1, []
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Block ids of seq's longest cached prefix (token-checked), then hashes of the second tier's next blocks."""
+        """Block ids of seq's longest cached prefix (token-checked),
+        then hashes of the second tier's next blocks."""
         hit_ids, tier_hashes, tier = [], [], self.seams.kv_cache_tier
-        # A request for prompt_logprobs computes its whole prompt: cached tokens would get no logits (vLLM V1).
+        # A request for prompt_logprobs computes its whole prompt: cached tokens would get no
+        # logits (vLLM V1).
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return hit_ids, tier_hashes
         # (The last token is always computed: it needs logits.)
@@ -65,24 +71,29 @@ class BlockManager:
         return hit_ids, tier_hashes
 
     def cached_block_id(self, block_hash: int, token_ids: list[int]) -> int | None:
-        """The block holding the KV of token_ids under block_hash, if cached (its tokens checked too)."""
+        """The block holding the KV of token_ids under block_hash,
+        if cached (its tokens checked too)."""
         block_id = self.hash_to_block_id.get(block_hash)
-        return block_id if block_id is not None and self.blocks[block_id].token_ids == token_ids else None
+        is_hit = block_id is not None and self.blocks[block_id].token_ids == token_ids
+        return block_id if is_hit else None
 
     def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
         hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
-        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids) <= self.num_free_blocks
+        num_held_hits = sum(self.blocks[b].ref_count > 0 for b in hit_ids)
+        return seq.num_blocks - num_held_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
-        """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes no state: the
-        blocks do not fit, or more than max_new_tokens are left to compute past the cached prefix."""
+        """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes
+        no state: the blocks do not fit, or more than max_new_tokens are left to compute past the
+        cached prefix."""
         hit_ids, tier_hashes = self._cached_prefix(seq)
         num_new_tokens = len(seq) - (len(hit_ids) + len(tier_hashes)) * self.block_size
-        if (max_new_tokens is not None and num_new_tokens > max_new_tokens) or not self.can_allocate(seq, hit_ids):
+        over_budget = max_new_tokens is not None and num_new_tokens > max_new_tokens
+        if over_budget or not self.can_allocate(seq, hit_ids):
             return False
         for block_id in hit_ids:
-            if self.blocks[block_id].ref_count == 0:  # a cached block nobody held: out of the free queue
+            if self.blocks[block_id].ref_count == 0:  # nobody held it: out of the free queue
                 self.free_block_ids.remove(block_id)
             self.blocks[block_id].ref_count += 1
         for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
@@ -90,14 +101,17 @@ class BlockManager:
             self.cache_block(block_id, block_hash, seq.block(i))
             self.seams.kv_cache_tier.load(block_hash, block_id)
             hit_ids.append(block_id)
-        seq.block_table = hit_ids + [self.allocate_block() for _ in range(seq.num_blocks - len(hit_ids))]
+        seq.block_table = hit_ids + [self.allocate_block()
+                                     for _ in range(seq.num_blocks - len(hit_ids))]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
-        if self.seams.kv_connector is not None:  # more of the prompt's KV, computed by another engine (kv_transfer/)
+        # More of the prompt's KV, computed by another engine (kv_transfer/).
+        if self.seams.kv_connector is not None:
             self.seams.kv_connector.update_state_after_alloc(seq)
         return True
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """Register the blocks tokens start..end filled, after the forward: earlier, a hit could read unwritten KV."""
+        """Register the blocks tokens start..end filled, after the forward: earlier, a hit could
+        read unwritten KV."""
         first, last = start // self.block_size, end // self.block_size
         if not self.enable_prefix_caching or first == last:  # (most decode steps fill no block)
             return
@@ -112,23 +126,28 @@ class BlockManager:
         self.hash_to_block_id[block_hash] = block_id
 
     def num_new_blocks(self, seq: Sequence) -> int:
-        """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included (copy-on-write)."""
+        """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included
+        (copy-on-write)."""
         return seq.num_blocks - len(seq.block_table) + self.copies_last_block(seq)
 
     def copies_last_block(self, seq: Sequence) -> bool:
-        """Copy-on-write: seq's new tokens land in its last block, and a forked sibling shares that block."""
+        """Copy-on-write: seq's new tokens land in its last block,
+        and a forked sibling shares that block."""
         lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
         return lands_in_last and self.blocks[seq.block_table[-1]].ref_count > 1
 
     def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Reserve slots for this step's tokens (once num_new_blocks fit); returns the copy-on-write pair, if any."""
+        """Reserve slots for this step's tokens (once num_new_blocks fit);
+        returns the copy-on-write pair, if any."""
         copies = []
-        if self.copies_last_block(seq):  # a forked sibling must not see these tokens: seq gets a copy of its own
+        # A forked sibling must not see these tokens: seq gets a copy of its own.
+        if self.copies_last_block(seq):
             src = seq.block_table[-1]
             self.free([src])
             seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self.allocate_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+        seq.block_table += [self.allocate_block()
+                            for _ in range(seq.num_blocks - len(seq.block_table))]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
@@ -140,13 +159,15 @@ class BlockManager:
             self.blocks[block_id].ref_count += 1
 
     def free(self, block_ids: list[int]) -> None:
-        for block_id in reversed(block_ids):  # the tail first: the left end goes first, so shared prefixes last
+        # The tail first: the left end goes first, so shared prefixes last.
+        for block_id in reversed(block_ids):
             self.blocks[block_id].ref_count -= 1
             if self.blocks[block_id].ref_count == 0:
                 self.free_block_ids.append(block_id)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
-        """Free seq's blocks past num_tokens (rejected lookahead): unhashed, to the front of the free queue."""
+        """Free seq's blocks past num_tokens (rejected lookahead):
+        unhashed, to the front of the free queue."""
         keep = -(-num_tokens // self.block_size)  # ceiling division
         tail, seq.block_table = seq.block_table[keep:], seq.block_table[:keep]
         for block_id in tail:

@@ -1,5 +1,6 @@
-"""The scheduler: who runs each step. nano-vllm's policy (prefill first, then decode, LIFO preemption by recompute)
-with vLLM V1's token budget (enable_chunked_prefill); swap and priority (nanoserve/scheduling/) subclass it."""
+"""The scheduler: who runs each step. nano-vllm's policy (prefill first, then decode, LIFO
+preemption by recompute) with vLLM V1's token budget (enable_chunked_prefill); swap and priority
+(nanoserve/scheduling/) subclass it."""
 from itertools import islice
 
 from nanoserve.config import Config
@@ -14,10 +15,12 @@ class Scheduler:
     queue_class = RequestQueue  # first come, first served (the priority chapter sorts)
 
     def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
-        self.max_num_seqs, self.max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
-        self.seams = Seams() if seams is None else seams  # the engine's: admits, sits_out, accept_lookahead
+        # The engine's seams: admits, sits_out, accept_lookahead.
+        self.seams = Seams() if seams is None else seams
         self.waiting, self.running = self.queue_class(), self.queue_class()
         self.stats = SchedulerStats()
 
@@ -25,18 +28,20 @@ class Scheduler:
         self.waiting.add(seq)
 
     def queues(self) -> dict[str, RequestQueue]:
-        """Every queue a sequence may be in, by name (what the trace, the metrics and the dashboard show)."""
+        """Every queue a sequence may be in, by name
+        (what the trace, the metrics and the dashboard show)."""
         return {"waiting": self.waiting, "running": self.running}
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
 
     def schedule(self) -> SchedulerOutput:
-        """Plan the next step. Once planned it counts as done (V1): its sampled token is a placeholder till then."""
+        """Plan the next step. Once planned it counts as done (V1): its sampled token is a
+        placeholder till then."""
         self.stats.num_steps += 1
         out = SchedulerOutput()
         self._plan(out)
-        for after_schedule in self.seams.after_schedule:  # e.g. the host tier's copies join the plan
+        for after_schedule in self.seams.after_schedule:  # e.g. the host tier adds its copies
             after_schedule(out)
         self.stats.num_prefill_steps += out.is_prefill
         for row in out.rows:
@@ -46,12 +51,13 @@ class Scheduler:
 
     def _plan(self, out: SchedulerOutput) -> None:
         if not self.enable_chunked_prefill:
-            # Prefill: whole waiting prompts in order; if any was admitted, the step is theirs alone (nano-vllm).
+            # Prefill: whole waiting prompts in order; if any was admitted, the step is theirs
+            # alone (nano-vllm).
             self._schedule_waiting(out, self.max_num_batched_tokens)
             out.is_prefill = bool(out.rows)
             if out.is_prefill:
                 return
-        # Decode (with chunked prefill, V1: running requests, then waiting ones, sharing one token budget).
+        # Decode (with chunked prefill, V1: running, then waiting requests, in one token budget).
         num_preempted = len(out.preempted)
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if len(out.preempted) == num_preempted:  # a step that had to preempt brings nobody in (V1)
@@ -62,16 +68,19 @@ class Scheduler:
             self.stats.num_mixed_steps += out.is_prefill and any(decodes)
 
     def _schedule_after_running(self, out: SchedulerOutput, budget: int) -> None:
-        """Who joins the running ones: with chunked prefill, waiting prompts (swap: swapped requests first)."""
+        """Who joins the running ones: with chunked prefill, waiting prompts (swap: swapped
+        requests first)."""
         if self.enable_chunked_prefill:
             self._schedule_waiting(out, budget)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        """Admit waiting prompts in order, whole (a cached prefix costs no budget) or, with chunked prefill, a chunk."""
+        """Admit waiting prompts in order, whole (a cached prefix costs no budget) or, with chunked
+        prefill, a chunk."""
         while budget > 0 and (seq := self._next_waiting(out)) is not None:
+            # Whole prompts: what it computes past its cached prefix must fit the budget.
+            max_new_tokens = None if self.enable_chunked_prefill else budget
             if (seq in out.preempted  # one this very step preempted waits: its KV may be in flight
-                    # (whole prompts: what it computes past its cached prefix must fit the budget)
-                    or not self.block_manager.allocate(seq, None if self.enable_chunked_prefill else budget)):
+                    or not self.block_manager.allocate(seq, max_new_tokens)):
                 break
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -81,31 +90,37 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, budget, out)
 
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
-        """The first waiting sequence the admits seams let join (LoRA's max_loras), if it has seats."""
-        seq = next((s for s in self.waiting if all(admits(s, self, out) for admits in self.seams.admits)), None)
+        """The first waiting sequence the admits seams let join (LoRA's max_loras),
+        if it has seats."""
+        seq = next((s for s in self.waiting
+                    if all(admits(s, self, out) for admits in self.seams.admits)), None)
         return seq if seq is not None and num_seats(seq) <= self.num_free_seats() else None
 
-    def num_free_seats(self) -> int:
-        return self.max_num_seqs - sum(map(num_seats, self.running))  # (seats include the forks to come)
+    def num_free_seats(self) -> int:  # (seats include the forks to come)
+        return self.max_num_seqs - sum(map(num_seats, self.running))
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-        del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # lookahead tokens past the token budget are dropped
-        out.blocks_to_copy += self.block_manager.may_append(seq)  # a new block for its newest token, if needed
+        del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # drop lookahead tokens past the budget
+        # A new block for its newest token, if needed.
+        out.blocks_to_copy += self.block_manager.may_append(seq)
         out.add(seq, num_tokens)
         return num_tokens
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
-        """Running requests in order, n sequences together; out of blocks, the newest is preempted (LIFO)."""
+        """Running requests in order, n sequences together; out of blocks, the newest is
+        preempted (LIFO)."""
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self.running.pop_group()
-            if any(sits_out(group) for sits_out in self.seams.sits_out):  # e.g. a token it needs is in flight
+            # The group sits this step out, e.g. a token it needs is in flight.
+            if any(sits_out(group) for sits_out in self.seams.sits_out):
                 scheduled += group
                 continue
-            while sum(map(self.block_manager.num_new_blocks, group)) > self.block_manager.num_free_blocks:
-                if not self.running:
-                    self.preempt(group[0], out)  # nobody else to take from: it waits for memory itself
+            while (sum(map(self.block_manager.num_new_blocks, group))
+                   > self.block_manager.num_free_blocks):
+                if not self.running:  # nobody else to take from: it waits for memory itself
+                    self.preempt(group[0], out)
                     break
                 self.preempt(self.running.pop(), out)
             else:
@@ -117,7 +132,8 @@ class Scheduler:
         return budget
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Make room: seq's request stops running (here by recompute; the swap chapter copies its KV out)."""
+        """Make room: seq's request stops running
+        (here by recompute; the swap chapter copies its KV out)."""
         self._preempt_by_recompute(seq, out)
 
     def _preempt_by_recompute(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -138,7 +154,8 @@ class Scheduler:
         return group
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take a step's tokens in (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
+        """Take a step's tokens in
+        (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
         sampled, updated = iter(token_ids), []
         for row in out.rows:
             seq = row.seq
@@ -147,13 +164,15 @@ class Scheduler:
             new_token_ids = list(islice(sampled, num_drawn))
             if seq.is_finished:
                 continue
-            if seq.status == SequenceStatus.RUNNING and not lookahead:  # (a preempted one lost these blocks)
-                self.block_manager.hash_blocks(seq, row.start, row.start + row.num_tokens)  # KV written now
+            # Its KV is written now: hash its blocks (a preempted one lost these blocks).
+            if seq.status == SequenceStatus.RUNNING and not lookahead:
+                self.block_manager.hash_blocks(seq, row.start, row.start + row.num_tokens)
             if not row.do_sample:  # a prompt chunk short of the end: nothing to sample yet
                 self.stats.num_chunked_prefills += 1
                 continue
             seq.num_output_placeholders -= 1
-            if lookahead:  # speculative decoding: keep the verified run, roll back past the first rejected token
+            # Speculative decoding: keep the verified run, roll back past the first rejected token.
+            if lookahead:
                 updated += self.seams.accept_lookahead(self, out, seq, row.start, new_token_ids)
                 continue
             for child in row.forks:
@@ -166,12 +185,13 @@ class Scheduler:
         return updated
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
-        """Append one at a time, checking EOS, stop tokens and max_tokens; a finish drops the rest."""
+        """Append one by one, checking EOS, stop tokens and max_tokens; a finish drops the rest."""
         params = seq.sampling_params
         for token_id in token_ids:
             seq.token_ids.append(token_id)
             self.stats.num_generated_tokens += 1
-            if (token_id in self.eos_token_ids and not params.ignore_eos) or token_id in params.stop_token_ids:
+            is_eos = token_id in self.eos_token_ids and not params.ignore_eos
+            if is_eos or token_id in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif seq.num_completion_tokens >= params.max_tokens:
                 seq.finish_reason = "length"
@@ -180,16 +200,17 @@ class Scheduler:
 
     def home(self, seq: Sequence) -> tuple[RequestQueue, BlockManager | None]:
         """Where seq is: its queue, and the pool holding its blocks (none while it waits)."""
-        return (self.running, self.block_manager) if seq.status == SequenceStatus.RUNNING else (self.waiting, None)
+        return ((self.running, self.block_manager) if seq.status == SequenceStatus.RUNNING
+                else (self.waiting, None))
 
     def _fork(self, parent: Sequence, child: Sequence, num_computed_tokens: int) -> None:
-        """child starts as a copy of parent (early vLLM's fork), sharing its KV blocks if it has any."""
+        """child starts as a copy of parent (early vLLM's fork), sharing its KV blocks if any."""
         queue, pool = self.home(parent)
         if pool is not None:
             pool.fork(parent, child)
             child.num_computed_tokens = num_computed_tokens
         child.status = parent.status
-        queue.insert(queue.index(parent) + child.index, child)  # the request's sequences stay side by side
+        queue.insert(queue.index(parent) + child.index, child)  # (siblings stay side by side)
 
     def finish(self, seq: Sequence) -> None:
         """Take seq out for good, its blocks freed (finished, stopped, aborted or failed)."""
