@@ -81,10 +81,21 @@ class BlockManager:
                 break
         return hit_ids, tier_hashes
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
+        """Refuse a request whose blocks could never fit the pool (EngineCore.check_request). The
+        prompt's full blocks are shared; each of the n sequences fills the rest on its own."""
+        bs = self.block_size
+        num_blocks = num_prompt_tokens // bs + n * -(-(num_prompt_tokens % bs + max_tokens) // bs)
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but "
+                             f"num_kvcache_blocks is {self.num_blocks} (block_size {bs})")
+
     def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
         hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
-        return seq.num_blocks - sum(self.blocks[b].ref_count > 0 for b in hit_ids) <= self.num_free_blocks
+        num_held = sum(self.blocks[b].ref_count > 0 for b in hit_ids)
+        num_blocks = self.num_table_blocks(seq, len(hit_ids) * self.block_size)
+        return num_blocks - num_held <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes no state: the
@@ -103,7 +114,8 @@ class BlockManager:
             self.hash_to_block_id[block_hash] = block.block_id
             self.seams.kv_cache_tier.load(block_hash, block.block_id)
             hit_ids.append(block.block_id)
-        seq.block_table = hit_ids + [self.allocate_block() for _ in range(seq.num_blocks - len(hit_ids))]
+        num_new = self.num_table_blocks(seq, len(hit_ids) * self.block_size) - len(hit_ids)
+        seq.block_table = hit_ids + [self.allocate_block() for _ in range(num_new)]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         if self.seams.kv_connector is not None:  # more of the prompt's KV, computed by another engine (kv_transfer/)
             self.seams.kv_connector.update_state_after_alloc(seq)
@@ -120,24 +132,34 @@ class BlockManager:
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
+    def num_table_blocks(self, seq: Sequence, num_computed_tokens: int,
+                         num_new_tokens: int | None = None) -> int:
+        """How long seq's block table must be to compute num_new_tokens past
+        num_computed_tokens (None: as many as a step may give it): here, a block for every
+        token it has (a prompt's all at once)."""
+        return seq.num_blocks
+
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included (copy-on-write)."""
-        return seq.num_blocks - len(seq.block_table) + self.copies_last_block(seq)
+        num_blocks = self.num_table_blocks(seq, seq.num_computed_tokens)
+        return num_blocks - len(seq.block_table) + self.copies_last_block(seq)
 
     def copies_last_block(self, seq: Sequence) -> bool:
         """Copy-on-write: seq's new tokens land in its last block, and a forked sibling shares that block."""
         lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
         return lands_in_last and self.blocks[seq.block_table[-1]].ref_count > 1
 
-    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Reserve slots for this step's tokens (once num_new_blocks fit); returns the copy-on-write pair, if any."""
+    def may_append(self, seq: Sequence, num_new_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Reserve slots for this step's num_new_tokens (once num_new_blocks fit); returns the
+        copy-on-write pair, if any."""
         copies = []
         if self.copies_last_block(seq):  # a forked sibling must not see these tokens: seq gets a copy of its own
             src = seq.block_table[-1]
             self.free([src])
             seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self.allocate_block() for _ in range(seq.num_blocks - len(seq.block_table))]
+        num_blocks = self.num_table_blocks(seq, seq.num_computed_tokens, num_new_tokens)
+        seq.block_table += [self.allocate_block() for _ in range(num_blocks - len(seq.block_table))]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

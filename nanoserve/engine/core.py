@@ -44,7 +44,7 @@ class EngineCore:
         """Reject what could never run, before any work starts, instead of failing or looping later."""
         if not token_ids:
             raise ValueError("prompt: must contain at least one token")
-        vocab_size, max_len, bs = self.config.hf_config.vocab_size, self.config.max_model_len, self.config.block_size
+        vocab_size, max_len = self.config.hf_config.vocab_size, self.config.max_model_len
         for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids)):
             if bad := [t for t in ids if not 0 <= t < vocab_size]:  # (one past the logits would crash a step)
                 raise ValueError(f"{name}: token ids must be in [0, vocab_size={vocab_size}), got {bad[:5]}")
@@ -62,11 +62,7 @@ class EngineCore:
                              f"exceeds max_model_len ({max_len})")
         if params.n > self.config.max_num_seqs:  # a request's sequences run together
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
-        # The prompt's full blocks are shared; each of the n sequences fills the rest on its own.
-        num_blocks = len(token_ids) // bs + params.n * -(-(len(token_ids) % bs + params.max_tokens) // bs)
-        if num_blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but num_kvcache_blocks is "
-                             f"{self.block_manager.num_blocks} (block_size {bs})")
+        self.block_manager.check_fits(len(token_ids), params.max_tokens, params.n)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
                     priority: int = 0, lora_request: LoRARequest | None = None) -> None:

@@ -87,7 +87,7 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
         del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # lookahead tokens past the token budget are dropped
-        out.blocks_to_copy += self.block_manager.may_append(seq)  # a new block for its newest token, if needed
+        out.blocks_to_copy += self.block_manager.may_append(seq, num_tokens)  # new blocks, if any
         out.add(seq, num_tokens)
         return num_tokens
 

@@ -10,7 +10,8 @@ absent one costs nothing, the engine never waits for either. Without --dashboard
 engine records nothing.
 
 dashboard.html (plain JavaScript and SVG, nothing to install, nothing fetched from elsewhere) reads only the JSON
-that `step_json` and `read_engine` write: when the engine's records change, these two are the place to adapt.
+that `step_json`, `read_engine` and `refusals` write: when the engine's records change, these are the place to
+adapt.
 """
 import asyncio
 import contextlib
@@ -93,6 +94,16 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
                 host_tier=host_tier, kv_transfer=kv_transfer_json(core))
 
 
+def refusals(core) -> dict | None:
+    """The requests refused as never fitting the pool (sliding_window/: admitted by the window): how many
+    so far, and the latest reasons; None on an engine without them. Read from the HTTP side: a refusal
+    happens in the caller's thread, not in a step, and may come while the engine is idle."""
+    pool = core.block_manager
+    if not hasattr(pool, "refused"):
+        return None
+    return dict(num=pool.num_refused, reasons=list(pool.refused.copy()))  # (a deque copies at once)
+
+
 def kv_transfer_json(core) -> dict | None:
     """Disaggregated prefill's counters (kv_transfer/): blocks sent, or received; None on an engine without it."""
     connector = core.seams.features.get("kv_transfer")
@@ -158,15 +169,17 @@ def event(name: str, data: dict) -> str:
 async def stream_steps(stream: StepStream, config: dict, stopping: asyncio.Event,
                        backlog: int = 60) -> AsyncIterator[str]:
     """Server-sent events for one browser: `config` once, then a `steps` event at most every interval with the
-    records since the last one (the `backlog` last ones first), `dropped` (how many it missed) and the engine
-    state if it changed. Ends when the server shuts down."""
-    cursor, sent = max(stream.num_records - backlog, 0), None
+    records since the last one (the `backlog` last ones first), `dropped` (how many it missed), the engine
+    state if it changed and the refusals. Ends when the server shuts down."""
+    cursor, sent, sent_refused = max(stream.num_records - backlog, 0), None, None
     yield event("config", config)
     while not stopping.is_set():
         records, dropped, engine, cursor = stream.since(cursor)
-        if records or dropped or engine is not sent:
-            yield event("steps", dict(steps=records, dropped=dropped, engine=None if engine is sent else engine))
-            sent = engine
+        refused = refusals(stream.core)
+        if records or dropped or engine is not sent or refused != sent_refused:
+            yield event("steps", dict(steps=records, dropped=dropped, engine=None if engine is sent else engine,
+                                      refused=refused))
+            sent, sent_refused = engine, refused
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stopping.wait(), stream.interval)
 

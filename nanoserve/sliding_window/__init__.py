@@ -35,4 +35,5 @@ def plug_in(config: Config, seams: Seams) -> None:
     if config.kv_transfer_config is not None:
         raise ValueError("kv_transfer_config: disaggregated prefill moves whole prompts' blocks, not built for blocks "
                          "freed behind a sliding window (disable_sliding_window=True runs full attention instead)")
-    seams.block_manager_class = partial(SlidingWindowBlockManager, sliding_window=window)
+    seams.block_manager_class = partial(SlidingWindowBlockManager, sliding_window=window,
+                                        max_num_batched_tokens=config.max_num_batched_tokens)
