@@ -12,7 +12,7 @@
 # its first request (random weights written, CUDA graphs captured, Triton compiling): the whole script is about
 # 6.5 minutes with the machine's start, not the 5 asked (docs/benchmarks.md). Since, the runs share one folder of
 # random weights, made once (12.5 s a run on a 2-core CPU machine; bench.py prints when they are ready).
-# 1. the CUDA tests, 8 pytest-xdist workers: greedy float32 equal to transformers under every option
+# 1. the CUDA tests, 8 pytest-xdist workers: greedy float32 equal to transformers under every option and window
 #    (tests/test_cuda.py; the pool sized from free memory alone, after), the Triton kernels natively (attention,
 #    elementwise, the fp8 KV cache, LoRA's); beside them, on the CPU, the host time per decode step at 256
 #    sequences (benchmarks/host_step.py, with the core's input loops and with the persistent batch, then that with

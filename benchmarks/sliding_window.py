@@ -100,9 +100,9 @@ def run_long(path: str, args: argparse.Namespace) -> dict:
 
 
 def long_contexts(args: argparse.Namespace) -> None:
-    heads = max(args.hidden_size // 32, 1)  # Mistral's proportions: heads of 32 (tiny) or more, 4 per KV head
-    shape = dict(hidden_size=args.hidden_size, intermediate_size=4 * args.hidden_size, num_attention_heads=heads,
-                 num_key_value_heads=max(heads // 4, 1))
+    heads = max(args.hidden_size // 128, 4)  # Mistral 7B's proportions: heads of 128, 4 per KV head
+    shape = dict(hidden_size=args.hidden_size, intermediate_size=7 * args.hidden_size // 2,
+                 num_attention_heads=heads, num_key_value_heads=heads // 4)
     results = {}
     with tempfile.TemporaryDirectory() as folder:
         max_len = args.max_len + args.long_max_tokens
