@@ -82,8 +82,7 @@ class BlockManager:
         return hit_ids, tier_hashes
 
     def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
-        """Refuse a request whose blocks could never fit the pool (EngineCore.check_request). The
-        prompt's full blocks are shared; each of the n sequences fills the rest on its own."""
+        """Refuse a request whose blocks never fit: the prompt's full blocks shared, n fill the rest."""
         bs = self.block_size
         num_blocks = num_prompt_tokens // bs + n * -(-(num_prompt_tokens % bs + max_tokens) // bs)
         if num_blocks > self.num_blocks:
@@ -93,9 +92,8 @@ class BlockManager:
     def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
         hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
-        num_held = sum(self.blocks[b].ref_count > 0 for b in hit_ids)
-        num_blocks = self.num_table_blocks(seq, len(hit_ids) * self.block_size)
-        return num_blocks - num_held <= self.num_free_blocks
+        need = self.num_table_blocks(seq, len(hit_ids) * self.block_size)
+        return need - sum(self.blocks[b].ref_count > 0 for b in hit_ids) <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes no state: the
@@ -132,17 +130,14 @@ class BlockManager:
             block.hash = compute_hash(block.token_ids, prefix_hash)
             self.hash_to_block_id[block.hash] = block.block_id
 
-    def num_table_blocks(self, seq: Sequence, num_computed_tokens: int,
-                         num_new_tokens: int | None = None) -> int:
-        """How long seq's block table must be to compute num_new_tokens past
-        num_computed_tokens (None: as many as a step may give it): here, a block for every
-        token it has (a prompt's all at once)."""
+    def num_table_blocks(self, seq: Sequence, start: int, num_new_tokens: int | None = None) -> int:
+        """The table length seq needs to compute num_new_tokens from position start (None: a step's
+        most); the core's: a block for each token seq has, so a prompt's are all taken at once."""
         return seq.num_blocks
 
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included (copy-on-write)."""
-        num_blocks = self.num_table_blocks(seq, seq.num_computed_tokens)
-        return num_blocks - len(seq.block_table) + self.copies_last_block(seq)
+        return seq.num_blocks - len(seq.block_table) + self.copies_last_block(seq)
 
     def copies_last_block(self, seq: Sequence) -> bool:
         """Copy-on-write: seq's new tokens land in its last block, and a forked sibling shares that block."""
@@ -150,8 +145,7 @@ class BlockManager:
         return lands_in_last and self.blocks[seq.block_table[-1]].ref_count > 1
 
     def may_append(self, seq: Sequence, num_new_tokens: int | None = None) -> list[tuple[int, int]]:
-        """Reserve slots for this step's num_new_tokens (once num_new_blocks fit); returns the
-        copy-on-write pair, if any."""
+        """Slots for the step's num_new_tokens (once num_new_blocks fit); any copy-on-write pair."""
         copies = []
         if self.copies_last_block(seq):  # a forked sibling must not see these tokens: seq gets a copy of its own
             src = seq.block_table[-1]

@@ -111,18 +111,19 @@ class SlidingWindowBlockManager(BlockManager):
             prefix_hash = compute_hash(seq.block(j), prefix_hash)
         return prefix_hash
 
-    def num_table_blocks(self, seq: Sequence, num_computed_tokens: int,
-                         num_new_tokens: int | None = None) -> int:
+    def num_table_blocks(self, seq: Sequence, start: int, num_new_tokens: int | None = None) -> int:
         """Only up to the end of the next chunk (None: a whole budget's), not the whole prompt."""
         chunk = self.max_num_batched_tokens if num_new_tokens is None else num_new_tokens
-        return cdiv(min(len(seq), num_computed_tokens + chunk), self.block_size)
+        return cdiv(min(len(seq), start + chunk), self.block_size)
 
     def num_new_blocks(self, seq: Sequence) -> int:
-        """Less the blocks may_append frees first: those behind the window that seq alone holds
-        (with async scheduling, the step in flight has moved the window since they were freed)."""
+        """The next chunk's blocks (and a copy of a shared last block), less those may_append frees
+        first: behind the window, held by seq alone (under async scheduling, the step in flight has
+        moved the window since they were last freed)."""
         behind = seq.block_table[: self.first_needed_block(seq)]
         num_freed = sum(b != NULL_BLOCK and self.blocks[b].ref_count == 1 for b in behind)
-        return max(super().num_new_blocks(seq) - num_freed, 0)
+        num_new = self.num_table_blocks(seq, seq.num_computed_tokens) - len(seq.block_table)
+        return max(num_new + self.copies_last_block(seq) - num_freed, 0)
 
     def may_append(self, seq: Sequence, num_new_tokens: int | None = None) -> list[tuple[int, int]]:
         self.free_behind_window(seq)  # first, so the blocks it gives back can take the new tokens
