@@ -131,8 +131,7 @@ class BlockManager:
             self.hash_to_block_id[block.hash] = block.block_id
 
     def num_table_blocks(self, seq: Sequence, start: int, num_new_tokens: int | None = None) -> int:
-        """The table length seq needs to compute num_new_tokens from position start (None: a step's
-        most); the core's: a block for each token seq has, so a prompt's are all taken at once."""
+        """seq's table length for num_new_tokens from start: here a block per token it has."""
         return seq.num_blocks
 
     def num_new_blocks(self, seq: Sequence) -> int:
