@@ -2,6 +2,11 @@
 its length; a prompt, or a context recomputed after a preemption, gets its blocks chunk by chunk; a request that
 can never fit is refused when added, and the engine serves the others. Greedy output equals transformers
 (float32) on tiny Mistrals whose requests are many times their pool."""
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
 import pytest
 from test_sliding_window import BLOCK_SIZE, NO_EOS, PROMPTS, completions, save_model
 from transformers import MistralConfig
@@ -94,3 +99,26 @@ def test_a_preempted_long_sequence_comes_back_in_the_same_chunks(models):
     assert llm.stats.num_preemptions > 0 and max(peaks) <= 13
     bm = llm.engine.block_manager
     assert bm.num_free_blocks == bm.num_blocks
+
+
+def test_the_long_context_benchmark_serves_what_full_attention_refuses(tmp_path, capsys):
+    """benchmarks/sliding_window.py --long at a small size: every request served within the window's bound, in
+    a pool the same weights without the window are refused by at once."""
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "sliding_window.py"
+    spec = importlib.util.spec_from_file_location("sliding_window_benchmark", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    argv = ["--long", "--long-requests", "3", "--min-len", "300", "--max-len", "600", "--long-max-tokens", "8",
+            "--long-window", "32", "--budget", "64", "--concurrent", "1"]
+    sys_argv, sys.argv = sys.argv, ["sliding_window.py", *argv]
+    try:
+        bench.main()
+    finally:
+        sys.argv = sys_argv
+    out = capsys.readouterr().out
+    results = json.loads(out[out.index("{"):])
+    window, full = results["window"], results["full attention"]
+    bound = cdiv(32 - 1 + 64, BLOCK_SIZE) + 1
+    assert window["sequences_served"] == 3 and window["bound_per_seq"] == bound == window["pool_blocks"]
+    assert window["peak_blocks_per_seq"] <= bound and window["peak_pool_blocks"] <= bound
+    assert "needs 20 KV blocks but num_kvcache_blocks is 8" in full["refused"]
