@@ -15,7 +15,7 @@
 # random weights, made once (12.5 s a run on a 2-core CPU machine; bench.py prints when they are ready), and the
 # budget is 300 s: by that run's part times, the tests, the kernels, async and LoRA fit in it, about 250 s
 # (unmeasured in this order); sync, the pool test, multi-turn and the profile come after, as time is left.
-# 1. the CUDA tests, 8 pytest-xdist workers: greedy float32 equal to transformers under every option
+# 1. the CUDA tests, 8 pytest-xdist workers: greedy float32 equal to transformers under every option and window
 #    (tests/test_cuda.py), the Triton kernels natively (attention, elementwise, the fp8 KV cache, LoRA's); beside
 #    them, on the CPU, the host time per decode step at 256 sequences (benchmarks/host_step.py, with the core's
 #    input loops and with the persistent batch, then that with FINAL_ONLY outputs, as LLM.generate asks) and the

@@ -9,10 +9,12 @@ transformers, runs on the CPU.
 import gc
 
 import pytest
+import test_sliding_window as window_tests
 import torch
 
 from conftest import ARCHS, assert_within_ties, hf_greedy, random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.sliding_window import SlidingWindowBlockManager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU")
 
@@ -141,3 +143,43 @@ def test_host_pool_copies_run_on_a_side_stream_without_synchronizing(tiny_models
         torch.cuda.set_sync_debug_mode(0)
     assert all(torch.equal(runner.kv_cache[:, :, a], runner.kv_cache[:, :, b]) for a, b in ((3, 10), (7, 11)))
     assert torch.equal(runner.kv_pools["kv_offloading_size"][1], runner.kv_cache[:, :, 7].cpu())
+
+
+# Sliding windows (nanoserve/sliding_window/): the Triton kernels skip and mask what lies behind each layer's window,
+# in CUDA graphs (decode) and in prefill chunks of 24 tokens that cross the window's edge (20 for Mistral, 32 for
+# the windowed Qwen2); in a pool of 8 blocks, prompts allocated chunk by chunk and sequences preempted.
+WINDOW_OPTIONS = {
+    "cuda-graphs": {},
+    "chunked-prefill": dict(enable_chunked_prefill=True, max_num_batched_tokens=24),
+    "small-pool": dict(enable_chunked_prefill=True, max_num_batched_tokens=24, num_kvcache_blocks=8),
+}
+
+
+@pytest.fixture(scope="module")
+def windowed(tmp_path_factory) -> dict[str, tuple[str, list[list[int]]]]:
+    """tests/test_sliding_window.py's tiny Mistral and all-windowed Qwen2, and transformers' answers (CPU)."""
+    root = tmp_path_factory.mktemp("windowed")
+    windowed = {}
+    for name in ("mistral", "qwen2"):
+        path = window_tests.save_model(root / name, window_tests.CONFIGS[name]())
+        windowed[name] = path, hf_greedy(path, window_tests.PROMPTS, window_tests.MAX_TOKENS)
+    return windowed
+
+
+@pytest.mark.parametrize("option", WINDOW_OPTIONS)
+@pytest.mark.parametrize("name", ["mistral", "qwen2"])
+def test_sliding_window_equals_transformers(windowed, name, option):
+    path, reference = windowed[name]
+    llm = LLM(path, dtype="float32", block_size=window_tests.BLOCK_SIZE, **{**POOL, **WINDOW_OPTIONS[option]})
+    config, bm = llm.engine.config, llm.engine.block_manager
+    assert config.device == "cuda" and config.attention_backend == "triton" and not config.enforce_eager
+    assert isinstance(bm, SlidingWindowBlockManager)
+    replays = count_graph_replays(llm)
+    outputs = llm.generate(window_tests.PROMPTS, window_tests.GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert replays and bm.num_freed_behind_window > 0  # decode ran in CUDA graphs; blocks went back
+    if config.enable_chunked_prefill:
+        assert llm.stats.num_chunked_prefills > 0
+    if config.num_kvcache_blocks == 8:
+        assert llm.stats.num_preemptions > 0
+    assert bm.num_free_blocks == bm.num_blocks

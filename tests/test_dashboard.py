@@ -585,3 +585,59 @@ def test_page_shows_the_host_tier(tiny_models, tmp_path):
                      f"{stats.num_host_cached_tokens} prompt tokens ({stats.num_loaded_blocks} blocks copied back)")
     assert filled == pytest.approx(len(tier.cached) / tier.num_blocks, abs=0.01) and off
     assert StepStream(LLM(tiny_models["qwen3"], num_kvcache_blocks=16).engine).read_engine()["host_tier"] is None
+
+
+def windowed_engine(tmp_path) -> LLM:
+    """A tiny Mistral, every layer windowed (24 tokens), in 8 blocks of 16 (7 and the null block)."""
+    from test_sliding_window import NO_EOS, save_model
+    from transformers import MistralConfig
+
+    path = save_model(tmp_path / "mistral", MistralConfig(**NO_EOS, sliding_window=24, tie_word_embeddings=False))
+    return LLM(path, block_size=16, num_kvcache_blocks=8)
+
+
+def test_a_request_refused_as_never_fitting_reaches_the_stream(tmp_path):
+    """sliding_window/ refuses a request that could never fit at add_request, in the caller's thread, no step
+    made: the next event brings its reason anyway, though the engine stays idle; only once."""
+    llm = windowed_engine(tmp_path)
+    stream = StepStream(llm.engine, interval=0.05)
+    stream.engine = stream.read_engine()
+
+    async def read() -> list[dict]:
+        stopping, batches = asyncio.Event(), []
+        async for text in stream_steps(stream, {"model": "m"}, stopping):
+            if text.startswith("event: config"):
+                with pytest.raises(ValueError, match="never fits") as error:
+                    llm.engine.add_request("long", list(range(3, 43)), SamplingParams(max_tokens=600))
+                reason = str(error.value)
+                continue
+            batches.append(json.loads(text.split("\ndata: ")[1]))
+            if batches[-1]["refused"]["num"]:
+                await asyncio.sleep(0.2)  # (later ticks send nothing new)
+                stopping.set()
+        return batches, reason
+
+    batches, reason = asyncio.run(asyncio.wait_for(read(), 30))
+    assert "sliding_window 24" in reason and "the pool has 7" in reason
+    assert [b["refused"] for b in batches if b["refused"]["num"]] == [dict(num=1, reasons=[reason])]
+    assert not llm.engine.scheduler.running and all(b["steps"] == [] for b in batches)
+
+
+@needs_browser
+def test_page_lists_a_request_refused_as_never_fitting(tmp_path):
+    """The page, fed the refusal: an event "on add" with the refusal's reason, once."""
+    llm = windowed_engine(tmp_path)
+    with pytest.raises(ValueError) as error:
+        llm.engine.add_request("long", list(range(3, 43)), SamplingParams(max_tokens=600))
+    stream = StepStream(llm.engine)
+    refused = dict(num=1, reasons=[str(error.value)])
+    body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + "".join(
+        event("steps", dict(steps=[], dropped=0, engine=stream.read_engine() if i == 0 else None, refused=refused))
+        for i in range(2))
+    with page_fed(body) as (page, errors):
+        page.wait_for_selector("#events .event[data-kind=refused]")
+        page.screenshot(path=tmp_path / "dashboard_refused.png")
+        shown = page.eval_on_selector_all("#events .event[data-kind=refused]", "es => es.map(e => e.textContent)")
+    print(f"screenshot: {tmp_path}/dashboard_refused.png")
+    assert not errors
+    assert shown == [f"on add⊘a request refused as never fitting: {error.value}"]

@@ -9,6 +9,7 @@ import pytest
 from test_scheduling_random import drive, random_config, random_requests
 
 from conftest import make_scheduler
+from nanoserve.config import Config
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
@@ -141,3 +142,83 @@ def test_random_traffic_keeps_the_books(tiny_models, prefix_caching):
         except AssertionError as e:
             raise AssertionError(f"seed {seed}, prefix_caching={prefix_caching}") from e
 
+
+
+# ---- long requests: admitted by their window, prompts allocated chunk by chunk -----------------------------------
+def long_case(rng: random.Random, model: str, prefix_caching: bool):
+    """Chunked prefill with a small budget, requests up to several times the pool, a pool that fits one
+    window-and-chunk of the largest or a few; recompute or swap preemption."""
+    block_size, window, budget = rng.choice([1, 2, 4]), rng.randint(1, 24), rng.randint(2, 16)
+    config = Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=rng.randint(40, 120),
+                    max_num_batched_tokens=budget, enable_chunked_prefill=True, enable_prefix_caching=prefix_caching,
+                    scheduling_policy=rng.choice(["fcfs", "priority"]),
+                    preemption_mode=rng.choice(["recompute", "swap"]))
+    peak = cdiv(window - 1 + budget, block_size) + 1  # one sequence's most, at once
+    bm = SlidingWindowBlockManager(rng.randint(peak // 2, 3 * peak) + 1, block_size, prefix_caching,
+                                   sliding_window=window, max_num_batched_tokens=budget)
+    host = (SlidingWindowBlockManager(rng.randint(0, 2 * peak) + 1, block_size, False, sliding_window=window,
+                                      max_num_batched_tokens=budget) if config.preemption_mode == "swap" else None)
+    prefix = [rng.randint(3, 9) for _ in range(rng.randint(0, config.max_model_len // 2))]
+    requests, refused = [], 0
+    for seq_id in range(rng.randint(1, 8)):
+        prompt = (prefix if rng.random() < 0.5 else []) + [rng.randint(3, 9) for _ in range(rng.randint(1, 40))]
+        prompt = prompt[: config.max_model_len - 1]
+        room = config.max_model_len - len(prompt)
+        params = SamplingParams(max_tokens=rng.randint(1, room), ignore_eos=rng.random() < 0.5,
+                                n=min(rng.choice([1, 1, 2]), config.max_num_seqs))
+        try:  # refused now, as EngineCore.add_request would, or admitted and bound to finish
+            bm.check_fits(len(prompt), params.max_tokens, params.n)
+        except ValueError as error:
+            assert f"sliding_window {window}" in str(error) and f"up to {budget} tokens" in str(error)
+            assert f"the pool has {bm.num_blocks}" in str(error)
+            refused += 1
+            continue
+        priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
+        group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(params.n)]
+        for seq in group:
+            seq.group = group
+        requests.append((rng.randint(0, 10), group[0]))
+    return config, window, sorted(requests, key=lambda r: r[0]), refused, make_scheduler(config, bm, host)
+
+
+def check_peak(out: SchedulerOutput, scheduler: Scheduler) -> None:
+    """Right after planning (the step's blocks all taken, before anything is freed): no sequence holds more
+    than its window and a chunk."""
+    bm = scheduler.block_manager
+    for seq in scheduler.running:
+        bound = bm.max_blocks_per_seq(seq.num_prompt_tokens + seq.sampling_params.max_tokens)
+        assert sum(b != NULL_BLOCK for b in seq.block_table) <= bound
+
+
+def run_long_case(model: str, seed: int, prefix_caching: bool) -> tuple[int, int, Scheduler]:
+    """One case of long_case, driven to its end; returns its requests longer than the pool and its refusals."""
+    config, window, requests, refused, scheduler = long_case(random.Random(seed), model, prefix_caching)
+    bm = scheduler.block_manager
+    num_long = sum(cdiv(len(s) + s.sampling_params.max_tokens, config.block_size) > bm.num_blocks
+                   for _, s in requests)
+
+    def write_and_check(kv: dict, out: SchedulerOutput) -> None:
+        check_peak(out, scheduler)
+        write_and_check_kv(kv, out, config.block_size, window)
+
+    drive(config, requests, scheduler, write_and_check, lambda: check_books(scheduler, window))
+    assert bm.num_free_blocks == bm.num_blocks
+    return num_long, refused, scheduler
+
+
+def test_long_requests_keep_the_books(tiny_models):
+    """Requests longer than the pool under a window: every one ends (drive's 10,000 steps), or is refused when
+    added; no leak, no double free (the reference counts equal the tables after every step), every token reads
+    its own KV across its window, and no sequence ever holds more than its bound."""
+    num_long = num_refused = num_preempted = num_chunked = 0
+    for seed in range(1000, 1000 + 2 * NUM_CASES):
+        prefix_caching = seed % 2 == 0
+        try:
+            long, refused, scheduler = run_long_case(tiny_models["qwen3"], seed, prefix_caching)
+        except AssertionError as e:
+            raise AssertionError(f"seed {seed}, prefix_caching={prefix_caching}") from e
+        num_long, num_refused = num_long + long, num_refused + refused
+        num_preempted += scheduler.stats.num_preemptions
+        num_chunked += scheduler.stats.num_chunked_prefills
+    # The cases do what they are for: requests the pool could not hold whole, refusals, preemptions, chunks.
+    assert num_long > 50 and num_refused > 20 and num_preempted > 50 and num_chunked > 500

@@ -77,11 +77,21 @@ class BlockManager:
         is_hit = block_id is not None and self.blocks[block_id].token_ids == token_ids
         return block_id if is_hit else None
 
+    def check_fits(self, num_prompt_tokens: int, max_tokens: int, n: int) -> None:
+        """Refuse a request whose blocks never fit: the prompt's full blocks are shared, and each
+        of the n sequences fills the rest on its own."""
+        bs = self.block_size
+        num_blocks = num_prompt_tokens // bs + n * -(-(num_prompt_tokens % bs + max_tokens) // bs)
+        if num_blocks > self.num_blocks:
+            raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but "
+                             f"num_kvcache_blocks is {self.num_blocks} (block_size {bs})")
+
     def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
         hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
         num_held_hits = sum(self.blocks[b].ref_count > 0 for b in hit_ids)
-        return seq.num_blocks - num_held_hits <= self.num_free_blocks
+        need = self.num_table_blocks(seq, len(hit_ids) * self.block_size)
+        return need - num_held_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes
@@ -101,8 +111,8 @@ class BlockManager:
             self.cache_block(block_id, block_hash, seq.block(i))
             self.seams.kv_cache_tier.load(block_hash, block_id)
             hit_ids.append(block_id)
-        seq.block_table = hit_ids + [self.allocate_block()
-                                     for _ in range(seq.num_blocks - len(hit_ids))]
+        num_new = self.num_table_blocks(seq, len(hit_ids) * self.block_size) - len(hit_ids)
+        seq.block_table = hit_ids + [self.allocate_block() for _ in range(num_new)]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
         # More of the prompt's KV, computed by another engine (kv_transfer/).
         if self.seams.kv_connector is not None:
@@ -125,6 +135,11 @@ class BlockManager:
         block.hash, block.token_ids = block_hash, token_ids
         self.hash_to_block_id[block_hash] = block_id
 
+    def num_table_blocks(self, seq: Sequence, start: int,
+                         num_new_tokens: int | None = None) -> int:
+        """seq's table length for num_new_tokens from start: here a block per token it has."""
+        return seq.num_blocks
+
     def num_new_blocks(self, seq: Sequence) -> int:
         """Free blocks seq's uncomputed tokens take, a private copy of a shared last block included
         (copy-on-write)."""
@@ -136,9 +151,9 @@ class BlockManager:
         lands_in_last = seq.num_computed_tokens < len(seq.block_table) * self.block_size
         return lands_in_last and self.blocks[seq.block_table[-1]].ref_count > 1
 
-    def may_append(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Reserve slots for this step's tokens (once num_new_blocks fit);
-        returns the copy-on-write pair, if any."""
+    def may_append(self, seq: Sequence, num_new_tokens: int | None = None) -> list[tuple[int, int]]:
+        """Reserve slots for the step's num_new_tokens (once num_new_blocks fit); returns the
+        copy-on-write pair, if any."""
         copies = []
         # A forked sibling must not see these tokens: seq gets a copy of its own.
         if self.copies_last_block(seq):
@@ -146,8 +161,8 @@ class BlockManager:
             self.free([src])
             seq.block_table[-1] = self.allocate_block()
             copies.append((src, seq.block_table[-1]))
-        seq.block_table += [self.allocate_block()
-                            for _ in range(seq.num_blocks - len(seq.block_table))]
+        num_blocks = self.num_table_blocks(seq, seq.num_computed_tokens, num_new_tokens)
+        seq.block_table += [self.allocate_block() for _ in range(num_blocks - len(seq.block_table))]
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:

@@ -56,7 +56,6 @@ class EngineCore:
             raise ValueError("prompt: must contain at least one token")
         config = self.config
         vocab_size, max_len = config.hf_config.vocab_size, config.max_model_len
-        bs = config.block_size
         for name, ids in (("prompt", token_ids), ("stop_token_ids", params.stop_token_ids)):
             if bad := [t for t in ids if not 0 <= t < vocab_size]:  # (past the logits: a crash)
                 raise ValueError(f"{name}: token ids must be in [0, vocab_size={vocab_size}), "
@@ -77,13 +76,7 @@ class EngineCore:
                              f"exceeds max_model_len ({max_len})")
         if params.n > config.max_num_seqs:  # a request's sequences run together
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({config.max_num_seqs})")
-        # The prompt's full blocks are shared; each of the n sequences fills the rest on its own.
-        num_blocks = (len(token_ids) // bs
-                      + params.n * -(-(len(token_ids) % bs + params.max_tokens) // bs))
-        if num_blocks > self.block_manager.num_blocks:
-            raise ValueError(f"prompt + max_tokens needs {num_blocks} KV blocks but "
-                             f"num_kvcache_blocks is {self.block_manager.num_blocks} "
-                             f"(block_size {bs})")
+        self.block_manager.check_fits(len(token_ids), params.max_tokens, params.n)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,

@@ -102,8 +102,8 @@ class Scheduler:
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
         del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # drop lookahead tokens past the budget
-        # A new block for its newest token, if needed.
-        out.blocks_to_copy += self.block_manager.may_append(seq)
+        # Blocks for its chunk (and its newest token), if needed.
+        out.blocks_to_copy += self.block_manager.may_append(seq, num_tokens)
         out.add(seq, num_tokens)
         return num_tokens
 

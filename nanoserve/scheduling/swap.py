@@ -93,7 +93,9 @@ class SwapScheduler(Scheduler):
     def _can_swap_in(self, seqs: list[Sequence]) -> bool:
         """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
         of several, each may need a copy of a shared last block)?"""
-        num_new = sum(max(seq.num_blocks - len(seq.block_table), len(seqs) > 1) for seq in seqs)
+        bm = self.block_manager  # (a prompt's next chunk only, where it allocates chunk by chunk)
+        num_new = sum(max(bm.num_table_blocks(seq, seq.num_computed_tokens) - len(seq.block_table),
+                          len(seqs) > 1) for seq in seqs)
         return len(live_blocks(seqs, self.host_block_manager)) + num_new <= self.block_manager.num_free_blocks
 
     def home(self, seq: Sequence):

@@ -10,7 +10,8 @@ absent one costs nothing, the engine never waits for either. Without --dashboard
 engine records nothing.
 
 dashboard.html (plain JavaScript and SVG, nothing to install, nothing fetched from elsewhere) reads only the JSON
-that `step_json` and `read_engine` write: when the engine's records change, these two are the place to adapt.
+that `step_json`, `read_engine` and `refusals` write: when the engine's records change, these are the place to
+adapt.
 """
 import asyncio
 import contextlib
@@ -27,6 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 
 from nanoserve.config import Config
+from nanoserve.scheduling.swap import SwapScheduler
 from nanoserve.serving.protocol import APIError
 from nanoserve.step_records import StepReader, StepRecord, StepView, step_recorder
 
@@ -70,14 +72,16 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
     max_requests) with their progress, and the scheduler's counters. Only in the engine thread, or while it
     has nothing to do: this walks what every step changes."""
     scheduler, pool = core.scheduler, core.block_manager
-    host = getattr(scheduler, "host_block_manager", None)  # the swap chapter's pool (scheduling/swap.py)
-    queues = {"waiting": scheduler.waiting, "running": scheduler.running, "swapped": getattr(scheduler, "swapped", [])}
+    queues = scheduler.queues()
+    queues.setdefault("swapped", [])  # (the swap chapter's third queue; empty without it)
+    # The swap chapter's pool in host memory, if plugged in.
+    host = scheduler.host_block_manager if isinstance(scheduler, SwapScheduler) else None
     holders: dict[int, list[int]] = {}  # device block -> the sequences whose block table holds it
     host_holders: dict[int, list[int]] = {}  # the same in the host pool, for the swapped-out sequences
     for where, queue in ((holders, scheduler.running), (host_holders, queues["swapped"])):
         for seq in queue:
             for block_id in seq.block_table:
-                if block_id < max_blocks and block_id != getattr(pool, "null_block", None):  # (sliding_window/'s)
+                if block_id < max_blocks and block_id != pool.null_block:  # (sliding_window/'s)
                     where.setdefault(block_id, []).append(seq.seq_id)
     # Each block: [ref_count, 1 if its hash is in the prefix cache (a prompt with that prefix can take it),
     # the sequences holding it]; a host block: the sequences holding it.
@@ -94,6 +98,16 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
                 num_host_blocks=host.num_blocks if host else 0, requests=requests,
                 queue_lengths={name: len(queue) for name, queue in queues.items()}, stats=asdict(scheduler.stats),
                 host_tier=host_tier, kv_transfer=kv_transfer_json(core))
+
+
+def refusals(core) -> dict | None:
+    """The requests refused as never fitting the pool (sliding_window/: admitted by the window): how many
+    so far, and the latest reasons; None on an engine without them. Read from the HTTP side: a refusal
+    happens in the caller's thread, not in a step, and may come while the engine is idle."""
+    pool = core.block_manager
+    if not hasattr(pool, "refused"):
+        return None
+    return dict(num=pool.num_refused, reasons=list(pool.refused.copy()))  # (a deque copies at once)
 
 
 def kv_transfer_json(core) -> dict | None:
@@ -161,15 +175,17 @@ def event(name: str, data: dict) -> str:
 async def stream_steps(stream: StepStream, config: dict, stopping: asyncio.Event,
                        backlog: int = 60) -> AsyncIterator[str]:
     """Server-sent events for one browser: `config` once, then a `steps` event at most every interval with the
-    records since the last one (the `backlog` last ones first), `dropped` (how many it missed) and the engine
-    state if it changed. Ends when the server shuts down."""
-    cursor, sent = max(stream.num_records - backlog, 0), None
+    records since the last one (the `backlog` last ones first), `dropped` (how many it missed), the engine
+    state if it changed and the refusals. Ends when the server shuts down."""
+    cursor, sent, sent_refused = max(stream.num_records - backlog, 0), None, None
     yield event("config", config)
     while not stopping.is_set():
         records, dropped, engine, cursor = stream.since(cursor)
-        if records or dropped or engine is not sent:
-            yield event("steps", dict(steps=records, dropped=dropped, engine=None if engine is sent else engine))
-            sent = engine
+        refused = refusals(stream.core)
+        if records or dropped or engine is not sent or refused != sent_refused:
+            yield event("steps", dict(steps=records, dropped=dropped, engine=None if engine is sent else engine,
+                                      refused=refused))
+            sent, sent_refused = engine, refused
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(stopping.wait(), stream.interval)
 

@@ -36,4 +36,5 @@ def window_block_manager(config: Config) -> Callable[..., SlidingWindowBlockMana
     if config.kv_transfer_config is not None:
         raise ValueError("kv_transfer_config: disaggregated prefill moves whole prompts' blocks, not built for blocks "
                          "freed behind a sliding window (disable_sliding_window=True runs full attention instead)")
-    return partial(SlidingWindowBlockManager, sliding_window=window)
+    return partial(SlidingWindowBlockManager, sliding_window=window,
+                   max_num_batched_tokens=config.max_num_batched_tokens)
