@@ -9,7 +9,7 @@ import pytest
 from test_scheduling_random import drive, random_config, random_requests
 
 from conftest import make_scheduler
-from nanoserve.config import Config
+from nanoserve.config import make_config
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
@@ -149,15 +149,16 @@ def long_case(rng: random.Random, model: str, prefix_caching: bool):
     """Chunked prefill with a small budget, requests up to several times the pool, a pool that fits one
     window-and-chunk of the largest or a few; recompute or swap preemption."""
     block_size, window, budget = rng.choice([1, 2, 4]), rng.randint(1, 24), rng.randint(2, 16)
-    config = Config(model, block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=rng.randint(40, 120),
-                    max_num_batched_tokens=budget, enable_chunked_prefill=True, enable_prefix_caching=prefix_caching,
-                    scheduling_policy=rng.choice(["fcfs", "priority"]),
-                    preemption_mode=rng.choice(["recompute", "swap"]))
+    config = make_config(model, dict(
+        block_size=block_size, max_num_seqs=rng.randint(1, 6), max_model_len=rng.randint(40, 120),
+        max_num_batched_tokens=budget, enable_chunked_prefill=True, enable_prefix_caching=prefix_caching,
+        scheduling_policy=rng.choice(["fcfs", "priority"]), preemption_mode=rng.choice(["recompute", "swap"])))
     peak = cdiv(window - 1 + budget, block_size) + 1  # one sequence's most, at once
     bm = SlidingWindowBlockManager(rng.randint(peak // 2, 3 * peak) + 1, block_size, prefix_caching,
                                    sliding_window=window, max_num_batched_tokens=budget)
     host = (SlidingWindowBlockManager(rng.randint(0, 2 * peak) + 1, block_size, False, sliding_window=window,
-                                      max_num_batched_tokens=budget) if config.preemption_mode == "swap" else None)
+                                      max_num_batched_tokens=budget)
+            if config.scheduler_config.preemption_mode == "swap" else None)
     prefix = [rng.randint(3, 9) for _ in range(rng.randint(0, config.max_model_len // 2))]
     requests, refused = [], 0
     for seq_id in range(rng.randint(1, 8)):
@@ -173,7 +174,7 @@ def long_case(rng: random.Random, model: str, prefix_caching: bool):
             assert f"the pool has {bm.num_blocks}" in str(error)
             refused += 1
             continue
-        priority = rng.randint(0, 3) if config.scheduling_policy == "priority" else 0
+        priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
         group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(params.n)]
         for seq in group:
             seq.group = group
