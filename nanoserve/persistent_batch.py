@@ -49,9 +49,9 @@ class InputBatch(InputBuilder):
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """Bring the rows of out's sequences up to date, then gather the step's inputs from them (what the
         core's InputBuilder.flatten builds with its loops)."""
-        self.step_seqs = out.seqs
+        self.step_seqs = seqs = out.seqs
         rewrite_blocks = bool(out.blocks_to_copy)  # copy-on-write replaced a last block in place
-        rows = np.array([self._sync(seq, rewrite_blocks) for seq in out.seqs], np.int64)
+        rows = np.array([self._sync(seq, rewrite_blocks) for seq in seqs], np.int64)
         n, bs = len(rows), self.block_size
         q_lens = np.array([row.num_tokens for row in out.rows], np.int64)
         starts = np.array([row.start for row in out.rows], np.int64)
@@ -60,7 +60,7 @@ class InputBatch(InputBuilder):
         positions = np.arange(len(owner)) - cu_q[owner] + starts[owner]
         token_rows = rows[owner]
         input_ids = self.token_ids[token_rows, positions]
-        num_drafts = np.array([len(seq.spec_token_ids) for seq in out.seqs] if out.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(seq.spec_token_ids) for seq in seqs] if out.scheduled_spec_decode_tokens
                               else np.zeros(n), np.int64)
         known = np.array(self.num_tokens)[rows] + num_drafts
         placeholders = np.flatnonzero(positions >= known[owner])  # async scheduling: filled in on the device

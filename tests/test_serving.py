@@ -91,6 +91,23 @@ def test_cli_flags(tiny_models, capsys):
     assert exit_info.value.code == 2 and "max_num_seqs must be >= 1" in capsys.readouterr().err
 
 
+def test_async_scheduling_flag_is_on_off_or_the_engines_default(tiny_models):
+    """`--async-scheduling` / `--no-async-scheduling`, and neither: None, which Config turns on with CUDA
+    only (off here, on CPU)."""
+    import argparse
+
+    from nanoserve.config import make_config
+    from nanoserve.serving.cli import add_engine_flags
+
+    parser = argparse.ArgumentParser()
+    add_engine_flags(parser)
+    parsed = [parser.parse_args(flags).async_scheduling
+              for flags in ([], ["--async-scheduling"], ["--no-async-scheduling"])]
+    assert parsed == [None, True, False]
+    config = make_config(tiny_models["qwen3"], {"device": "cpu"})
+    assert config.scheduler_config.async_scheduling is False
+
+
 def test_health_and_models(server, client):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert [m.id for m in client.models.list().data] == [MODEL]
