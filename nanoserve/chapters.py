@@ -43,6 +43,10 @@ def scheduler_class(config: Config) -> type[Scheduler]:
     scheduling = config.scheduler_config
     priority = scheduling.scheduling_policy == "priority"
     swap = scheduling.preemption_mode == "swap"
+    if config.speculative_config is not None:  # speculative decoding: spec_decode/
+        from nanoserve.spec_decode import interim
+
+        return interim.scheduler_class(priority, swap)
     if priority:
         return PrioritySwapScheduler if swap else PriorityScheduler
     return SwapScheduler if swap else Scheduler
@@ -57,6 +61,14 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
 
         parts["executor_class"] = MultiprocExecutor
+    if config.speculative_config is not None:  # speculative decoding: spec_decode/
+        from nanoserve.spec_decode import interim
+        from nanoserve.spec_decode.model_runner import SpecDecodeExecutor, SpecDecodeModelRunner
+
+        multiproc = "executor_class" in parts
+        parts["executor_class"] = partial(
+            interim.SpecDecodeMultiprocExecutor if multiproc else SpecDecodeExecutor,
+            model_runner_class=SpecDecodeModelRunner)
     if any(sliding_windows(config.hf_config)):  # blocks freed behind the window: sliding_window/
         from nanoserve.sliding_window import window_block_manager
 
@@ -72,7 +84,14 @@ def build_engine(config: Config) -> EngineCore:
     engine_class = EngineCore
     if scheduling.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
         from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
+    if config.speculative_config is not None:  # speculative decoding: spec_decode/
+        from nanoserve.spec_decode import SpecDecodeEngineCore, interim
+
+        engine_class = (interim.SpecDecodeBatchQueueEngineCore if scheduling.async_scheduling
+                        else SpecDecodeEngineCore)
     engine = engine_class(config, seams, **parts)
+    if config.speculative_config is not None:  # (until the async chapter asks the scheduler)
+        seams.needs_newest_token.append(engine.scheduler.needs_newest_token)
     try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
         if scheduling.preemption_mode == "swap":  # the swap pool, in the device pool's class
             plug_in_swap(engine, parts.get("block_manager_class", BlockManager))
@@ -86,10 +105,6 @@ def build_engine(config: Config) -> EngineCore:
 def plug_in_chapters(engine: EngineCore) -> None:
     """The chapters the config asks for, once the engine is built, and those a request may ask for."""
     config, seams = engine.config, engine.seams
-    if config.speculative_config is not None:  # speculative decoding: spec_decode/
-        from nanoserve.spec_decode import plug_in
-
-        plug_in(engine)
     if config.kv_offload_config is not None:  # the prefix cache's host tier: kv_offload/
         from nanoserve.kv_offload import plug_in as plug_in_host_tier
 

@@ -68,11 +68,12 @@ class StepRecord:
 def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
-    drafts = out.scheduled_spec_decode_tokens
+    # speculative decoding's plan (spec_decode/scheduler.py's SpecDecodeSchedulerOutput), if any
+    drafts, accepted = (getattr(out, name, {}) for name in ("scheduled_spec_decode_tokens", "num_accepted_tokens"))
     scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                   start=row.start, sampled=row.do_sample, is_decode=out.is_decode(row),
                                   spec_token_ids=drafts.get(row.seq.seq_id, []),
-                                  num_accepted_tokens=out.num_accepted_tokens.get(row.seq.seq_id, 0),
+                                  num_accepted_tokens=accepted.get(row.seq.seq_id, 0),
                                   lora_name=row.seq.lora_request and row.seq.lora_request.lora_name)
                  for row in out.rows]
     decodes = [r.is_decode for r in scheduled]

@@ -106,7 +106,9 @@ class InputBuilder:
                           meta=meta, logits_rows=self._tensor(step.logits_rows, torch.int64),
                           sampling=self.prepare_sampling(rows, step.params),
                           sample_seq_ids=[seq.seq_id for seq, _ in rows],
-                          spec_decode_tokens=out.scheduled_spec_decode_tokens, extras=step.extras)
+                          spec_decode_tokens={seq.seq_id: list(seq.spec_token_ids)
+                                              for seq, j in rows if j == 0 and seq.spec_token_ids},
+                          extras=step.extras)
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays: each scheduled token's id, position and cache slot, sequence by

@@ -5,7 +5,7 @@ from itertools import islice
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
 from nanoserve.engine.stats import SchedulerStats
@@ -13,13 +13,14 @@ from nanoserve.engine.stats import SchedulerStats
 
 class Scheduler:
     queue_class = RequestQueue  # first come, first served (the priority chapter sorts)
+    output_class = SchedulerOutput  # the step's plan (a chapter's subclass adds its own books)
 
     def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
-        # The engine's seams: admits, sits_out, accept_lookahead.
+        # The engine's seams: admits, sits_out.
         self.seams = Seams() if seams is None else seams
         self.waiting, self.running = self.queue_class(), self.queue_class()
         self.stats = SchedulerStats()
@@ -39,7 +40,7 @@ class Scheduler:
         """Plan the next step. Once planned it counts as done (V1): its sampled token is a
         placeholder till then."""
         self.stats.num_steps += 1
-        out = SchedulerOutput()
+        out = self.output_class()
         self._plan(out)
         for after_schedule in self.seams.after_schedule:  # e.g. the host tier adds its copies
             after_schedule(out)
@@ -101,7 +102,6 @@ class Scheduler:
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-        del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # drop lookahead tokens past the budget
         # Blocks for its chunk (and its newest token), if needed.
         out.blocks_to_copy += self.block_manager.may_append(seq, num_tokens)
         out.add(seq, num_tokens)
@@ -146,7 +146,6 @@ class Scheduler:
     def _take_running(self, seq: Sequence, out: SchedulerOutput) -> list[Sequence]:
         group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
         for s in group:
-            s.spec_token_ids = []  # (lookahead tokens are proposed for running sequences only)
             if s in self.running:
                 self.running.remove(s)
         self.stats.num_preemptions += 1
@@ -154,35 +153,39 @@ class Scheduler:
         return group
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take a step's tokens in
-        (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
+        """Take a step's tokens in (1 each, n for a forking prompt, none for raw_logits)."""
         sampled, updated = iter(token_ids), []
         for row in out.rows:
-            seq = row.seq
-            lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            num_drawn = 0 if seq.raw_logits else row.do_sample + len(row.forks) + len(lookahead)
-            new_token_ids = list(islice(sampled, num_drawn))
-            if seq.is_finished:
+            new_token_ids = list(islice(sampled, out.num_sampled_tokens(row)))
+            if row.seq.is_finished:
                 continue
-            # Its KV is written now: hash its blocks (a preempted one lost these blocks).
-            if seq.status == SequenceStatus.RUNNING and not lookahead:
-                self.block_manager.hash_blocks(seq, row.start, row.start + row.num_tokens)
             if not row.do_sample:  # a prompt chunk short of the end: nothing to sample yet
                 self.stats.num_chunked_prefills += 1
+                self.hash_blocks(row, row.start + row.num_tokens)
                 continue
-            seq.num_output_placeholders -= 1
-            # Speculative decoding: keep the verified run, roll back past the first rejected token.
-            if lookahead:
-                updated += self.seams.accept_lookahead(self, out, seq, row.start, new_token_ids)
-                continue
-            for child in row.forks:
-                self._fork(seq, child, row.start + row.num_tokens)
-            for s, token_id in zip([seq, *row.forks], new_token_ids):
-                self.append_tokens(s, [token_id])
-                updated.append(s)
-                if s.finish_reason is not None:
-                    self.finish(s)
+            row.seq.num_output_placeholders -= 1
+            updated += self.accept_tokens(out, row, new_token_ids)
         return updated
+
+    def accept_tokens(self, out: SchedulerOutput, row: ScheduledSequence,
+                      token_ids: list[int]) -> list[Sequence]:
+        """Take in the tokens row sampled, one for its sequence and one per fork; returns each
+        sequence that got one."""
+        seq = row.seq
+        self.hash_blocks(row, row.start + row.num_tokens)
+        for child in row.forks:
+            self._fork(seq, child, row.start + row.num_tokens)
+        for s, token_id in zip([seq, *row.forks], token_ids):
+            self.append_tokens(s, [token_id])
+            if s.finish_reason is not None:
+                self.finish(s)
+        return [seq, *row.forks][: len(token_ids)]
+
+    def hash_blocks(self, row: ScheduledSequence, end: int) -> None:
+        """The KV of row's tokens up to end is written now: hash its full blocks (the prefix cache
+        may hand them out). A sequence preempted while the step ran lost these blocks."""
+        if row.seq.status == SequenceStatus.RUNNING:
+            self.block_manager.hash_blocks(row.seq, row.start, end)
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
         """Append one by one, checking EOS, stop tokens and max_tokens; a finish drops the rest."""

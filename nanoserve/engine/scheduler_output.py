@@ -40,12 +40,9 @@ class SchedulerOutput:
     # kv_transfer/: the step's KV loads and saves for another engine
     kv_connector_metadata: object = None
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
-    # seq_id -> lookahead tokens
-    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
-    # What the step's output did, for its record (nanoserve/step_records.py): seq_id -> how many
-    # lookahead tokens passed; the logits rows of sequences with raw_logits (beam search), in order;
-    # beam search's forked beams (new beam, its parent) and dropped ones (without a child, freed).
-    num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    # What the step's output did, for its record (nanoserve/step_records.py): the logits rows of
+    # sequences with raw_logits (beam search), in order; beam search's forked beams (new beam, its
+    # parent) and dropped ones (without a child, freed).
     raw_logits: torch.Tensor | None = None
     forked_beams: list[tuple[int, int]] = field(default_factory=list)
     dropped_beams: list[int] = field(default_factory=list)
@@ -66,11 +63,12 @@ class SchedulerOutput:
         # from this one.
         forks = seq.group[1:] if do_sample and end == seq.num_prompt_tokens else []
         self.rows.append(ScheduledSequence(seq, start, num_tokens, do_sample, forks))
-        if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
-            self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def is_decode(self, row: ScheduledSequence) -> bool:
-        """row computes only its newest generated token (and any lookahead drafts after it), no
-        prefill work."""
-        num_drafts = len(self.scheduled_spec_decode_tokens.get(row.seq.seq_id, []))
-        return row.num_tokens == 1 + num_drafts and row.start >= row.seq.num_prompt_tokens
+        """row computes only its newest generated token, no prefill work."""
+        return row.num_tokens == 1 and row.start >= row.seq.num_prompt_tokens
+
+    def num_sampled_tokens(self, row: ScheduledSequence) -> int:
+        """The tokens the step samples for row: one if it reaches its end, and one per fork
+        (none with raw_logits: the beam search picks them)."""
+        return 0 if row.seq.raw_logits else row.do_sample + len(row.forks)

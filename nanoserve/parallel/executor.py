@@ -57,21 +57,24 @@ def init_process_group(config: Config, rank: int, init_method: str) -> None:
     init_stage_groups(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
-def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
+def worker_main(config: Config, rank: int, port: int, conn: Connection,
+                model_runner_class: type[ModelRunner] = ModelRunner) -> None:
     """A spawned worker's life: join the group, then serve."""
     init_process_group(config, rank, f"tcp://127.0.0.1:{port}")
-    run_worker(config, rank, conn)
+    run_worker(config, rank, conn, model_runner_class)
 
 
-def make_runner(config: Config, rank: int = 0, seams: Seams | None = None) -> ModelRunner:
+def make_runner(config: Config, rank: int = 0, seams: Seams | None = None,
+                model_runner_class: type[ModelRunner] = ModelRunner) -> ModelRunner:
     """This rank's ModelRunner: with pipeline stages, its stage's part of the model."""
     stages = config.parallel_config.pipeline_parallel_size > 1
-    return ModelRunner(config, rank, seams, PipelineStageModel if stages else None)
+    return model_runner_class(config, rank, seams, PipelineStageModel if stages else None)
 
 
-def run_worker(config: Config, rank: int, conn: Connection) -> None:
+def run_worker(config: Config, rank: int, conn: Connection,
+               model_runner_class: type[ModelRunner] = ModelRunner) -> None:
     """Build this rank's part of the model, then run what rank 0 sends until it closes the connection; exit."""
-    runner = make_runner(config, rank)
+    runner = make_runner(config, rank, model_runner_class=model_runner_class)
     gc.freeze()  # as LLM.generate: the model and torch are left out of full collections (until the process ends)
     try:
         while message := conn.recv_bytes():  # b"": rank 0 is shutting down
@@ -110,8 +113,10 @@ class MultiprocExecutor(Executor):
     """Rank 0's handle on every rank: starts ranks 1..N-1 (spawn, or joins torchrun's), then builds its own
     ModelRunner (`model_runner`); runs each step on all of them; stops them."""
 
-    def __init__(self, config: Config, seams: Seams):
+    def __init__(self, config: Config, seams: Seams,
+                 model_runner_class: type[ModelRunner] = ModelRunner):
         self.config, self.seams = config, seams
+        self.model_runner_class = model_runner_class
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
         self.shutdown = lambda: None
@@ -128,7 +133,8 @@ class MultiprocExecutor(Executor):
                 self._join_torchrun(config)
             else:
                 self._start_workers(config)
-            self.model_runner = make_runner(config, seams=seams)
+            self.model_runner = make_runner(config, seams=seams,
+                                            model_runner_class=model_runner_class)
         except BaseException as error:
             # A rank died, a collective timed out, a check failed after init_process_group: end the workers (don't
             # leave them waiting for a rank 0 that will never come) and leave the process group now, not when the
@@ -149,7 +155,8 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         for rank in range(1, world_size(config)):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(config, rank, port, reader), daemon=True)
+            proc = ctx.Process(target=worker_main, args=(config, rank, port, reader, self.model_runner_class),
+                               daemon=True)
             proc.start()
             reader.close()  # the worker has its copy: once it dies, writing fails instead of filling a buffer
             self.procs.append(proc)
@@ -163,7 +170,7 @@ class MultiprocExecutor(Executor):
         init_process_group(config, rank, "env://")
         self.conns = connect_ranks(rank, world_size(config))
         if rank != 0:
-            run_worker(config, rank, self.conns[0])
+            run_worker(config, rank, self.conns[0], self.model_runner_class)
         closing = start_watching(self.conns)
         self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), self.reaping, closing)
 
