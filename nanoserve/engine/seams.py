@@ -82,26 +82,17 @@ class Seams:
     #    that write it: swap-ins, host-tier hits), since a block the first free may be the second's destination.
     #    (plan, executor, "out" | "in") -> None.
     move_kv: list[Callable[[SchedulerOutput, object, str], None]] = field(default_factory=list)
-    # 11. Fills the step's lookahead slots on the device (a draft model's proposals). (plan, inputs, run_draft) ->
-    #    the inputs to run.
-    propose: Callable | None = None
     # 12. Just before the forward, on the process that plans: (plan, inputs) -> None, e.g. async scheduling's
     #    placeholders filled on the device, LoRA's slot loads and rows (run on every rank through
     #    executor.call("apply", fn, ...), ModelRunner.apply).
     before_forward: list[Callable[[SchedulerOutput, object], None]] = field(default_factory=list)
-    # 13. Drawing (ModelRunner.sample): picks each row's tokens instead of the sampler's draw (speculative
-    #    decoding's verification of the lookahead tokens). (model runner, logits, inputs) -> token ids.
-    sample: Callable | None = None
     # 14. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
     after_sample: list[Callable] = field(default_factory=list)
     # 15. The step's output comes back (EngineCore._update_from_output), first: hooks that fail requests the step
     #    left without valid KV (the host tier's failed loads). (plan) -> their outputs.
     before_update: list[Callable[[SchedulerOutput], list[EngineCoreOutput]]] = field(default_factory=list)
-    # 16. Scheduler.postprocess, for a sequence that computed lookahead tokens: (scheduler, plan, seq, where its
-    #    step started, the tokens emitted) -> seq once per token kept (speculative decoding's rollback).
-    accept_lookahead: Callable | None = None
-    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts them), pick tokens
-    #    themselves (beam search), or propose the next step's lookahead tokens.
+    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts them), or pick
+    #    tokens themselves (beam search).
     after_step: list[AfterStep] = field(default_factory=list)
     # 18. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
