@@ -147,12 +147,10 @@ class Executor:
     def launch(self, out: SchedulerOutput,
                inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
         """The step up to the logits: the KV blocks moved and copied, then the forward."""
-        # the seam: KV moved between pools (swap, the host tier), reads of the device first
-        for way in ("out", "in"):
-            for move in self.seams.move_kv:
-                move(out, self, way)
-        if out.blocks_to_copy:  # copy-on-write, inside the device pool
-            self.call("copy_blocks", out.blocks_to_copy)
+        # KV moved between blocks before the forward: every read of the device pool first, since a
+        # block the step frees may be another copy's destination.
+        self.copy_kv_out(out)
+        self.copy_kv_in(out)
         return self.forward(out, inputs)
 
     def forward(self, out: SchedulerOutput,
@@ -166,6 +164,19 @@ class Executor:
             prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta,
                                  inputs.logits_rows)
+
+    def copy_kv_out(self, out: SchedulerOutput) -> None:
+        """Copies that read the device pool into another (a chapter's host pool): none in the
+        core."""
+        for move in self.seams.move_kv:
+            move(out, self, "out")
+
+    def copy_kv_in(self, out: SchedulerOutput) -> None:
+        """Copies that write the device pool: here copy-on-write, a shared block's copy."""
+        for move in self.seams.move_kv:
+            move(out, self, "in")
+        if out.blocks_to_copy:
+            self.call("copy_blocks", out.blocks_to_copy)
 
     def finish(self, out: SchedulerOutput, inputs: ModelInput | None,
                logits: torch.Tensor | None) -> torch.Tensor:

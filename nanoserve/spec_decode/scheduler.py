@@ -13,10 +13,8 @@ their blocks back.
 from dataclasses import dataclass, field
 
 from nanoserve.config import Config
-from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.spec_decode.accounting import num_rejected_tokens
 from nanoserve.spec_decode.proposer import propose_drafts
@@ -48,11 +46,11 @@ class SpecDecodeSchedulerOutput(SchedulerOutput):
 class SpecDecodeScheduler(Scheduler):
     """The Scheduler with drafts to verify; the core's own unless speculative_config is set."""
 
-    def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
-        super().__init__(config, block_manager, seams)
+    output_class = SpecDecodeSchedulerOutput
+
+    def __init__(self, config: Config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
         self.speculative_config = config.speculative_config
-        if self.speculative_config is not None:
-            self.output_class = SpecDecodeSchedulerOutput
 
     def schedule(self) -> SchedulerOutput:
         """Before the plan, each running sequence about to decode gets its drafts (proposer.py)."""
@@ -71,7 +69,7 @@ class SpecDecodeScheduler(Scheduler):
         runs in the step after, drafts and all."""
         return self.speculative_config is not None or super().needs_newest_token(seq)
 
-    def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
+    def _schedule_chunk(self, seq: Sequence, budget: int, out: SpecDecodeSchedulerOutput) -> int:
         if self.speculative_config is None:
             return super()._schedule_chunk(seq, budget, out)
         del seq.spec_token_ids[max(budget - 1, 0) :]  # the drafts past the token budget are dropped
@@ -86,7 +84,7 @@ class SpecDecodeScheduler(Scheduler):
             s.spec_token_ids = []
         return group
 
-    def accept_tokens(self, out: SchedulerOutput, row: ScheduledSequence,
+    def accept_tokens(self, out: SpecDecodeSchedulerOutput, row: ScheduledSequence,
                       token_ids: list[int]) -> list[Sequence]:
         """seq computed its newest token and k drafts, and a + 1 tokens were emitted (token_ids,
         PLACEHOLDER_TOKEN_ID-padded). Roll num_computed_tokens back over the k - a rejected drafts,
