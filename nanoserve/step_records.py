@@ -69,7 +69,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
     # speculative decoding's plan (spec_decode/scheduler.py's SpecDecodeSchedulerOutput), if any
-    drafts, accepted = (getattr(out, name, {}) for name in ("scheduled_spec_decode_tokens", "num_accepted_tokens"))
+    drafts, accepted = (getattr(out, name, {})
+                        for name in ("scheduled_spec_decode_tokens", "num_accepted_tokens"))
     scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                   start=row.start, sampled=row.do_sample, is_decode=out.is_decode(row),
                                   spec_token_ids=drafts.get(row.seq.seq_id, []),

@@ -91,8 +91,8 @@ class Seams:
     # 15. The step's output comes back (EngineCore._update_from_output), first: hooks that fail requests the step
     #    left without valid KV (the host tier's failed loads). (plan) -> their outputs.
     before_update: list[Callable[[SchedulerOutput], list[EngineCoreOutput]]] = field(default_factory=list)
-    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts them), or pick
-    #    tokens themselves (beam search).
+    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts
+    #    them), or pick tokens themselves (beam search).
     after_step: list[AfterStep] = field(default_factory=list)
     # 18. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)

@@ -1,5 +1,6 @@
-"""Speculative decoding (docs/speculative.md): proposers that guess k tokens ahead into the lookahead
-slots (Sequence.spec_token_ids), and the verification that keeps what the target model agrees with.
+"""Speculative decoding (docs/speculative.md): proposers that guess k tokens ahead into the
+lookahead slots (Sequence.spec_token_ids), and the verification that keeps what the target model
+agrees with.
 A subclass of each core class it changes, each the core's own unless speculative_config is set:
 - SpecDecodeScheduler (scheduler.py): proposes the drafts before each plan, records them in its plan
   (SpecDecodeSchedulerOutput), takes the verified run in and rolls back past it;

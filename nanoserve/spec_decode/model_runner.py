@@ -1,9 +1,10 @@
-"""Speculative decoding's model runner and executor (docs/speculative.md): the core's, with the draft
-model loaded beside the target and the drafts verified instead of a draw.
+"""Speculative decoding's model runner and executor (docs/speculative.md): the core's, with the
+draft model loaded beside the target and the drafts verified instead of a draw.
 
-Verification on rank 0: a step with drafts computes the logits of each request's 1 + k positions; the
-sampler processes every row with the request's options, and the rejection sampler, not a draw, picks
-what to emit. A request without drafts in the same step is a verification of k = 0: a plain draw.
+Verification on rank 0: a step with drafts computes the logits of each request's 1 + k positions;
+the sampler processes every row with the request's options, and the rejection sampler, not a draw,
+picks what to emit. A request without drafts in the same step is a verification of k = 0: a plain
+draw.
 """
 import torch
 from torch import nn
@@ -42,8 +43,8 @@ class SpecDecodeModelRunner(ModelRunner):
         return self.draft_model.compute_logits(hidden, logits_rows)
 
     def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """The token each sampling row emits, PLACEHOLDER_TOKEN_ID past a request's emitted run: 1 + k
-        entries for a request with k drafts, one for any other row, in row order
+        """The token each sampling row emits, PLACEHOLDER_TOKEN_ID past a request's emitted run:
+        1 + k entries for a request with k drafts, one for any other row, in row order
         (SpecDecodeScheduler.accept_tokens reads them so). A step without drafts is a plain draw."""
         if not inputs.spec_decode_tokens:
             return super().draw(logits, inputs)
@@ -55,7 +56,8 @@ class SpecDecodeModelRunner(ModelRunner):
         sampling = inputs.sampling
         newest = inputs.input_ids[inputs.logits_rows[:num_rows]] if sampling.penalties else None
         greedy, probs = self.sampler.process(logits[:num_rows], sampling, newest)
-        is_greedy = None if sampling.temperatures is None else sampling.temperatures[first_rows] == 0
+        temperatures = sampling.temperatures
+        is_greedy = None if temperatures is None else temperatures[first_rows] == 0
         output = self.rejection_sampler(drafts, greedy, probs, is_greedy,
                                         [sampling.generators[r] for r in first_rows])
         ks = torch.tensor([len(d) for d in drafts], device=output.device)
@@ -66,7 +68,7 @@ class SpecDecodeExecutor(Executor):
     """The Executor that, with a draft model, runs it over the step once the step's KV is in place
     (after its block copies) and before the target's forward: it fills the lookahead slots."""
 
-    # The draft pass; SpecDecodeEngineCore gives it the engine's InputBuilder (None: no draft model).
+    # The draft pass (None: no draft model), with the engine's InputBuilder (SpecDecodeEngineCore).
     proposer: DraftModelProposer | None = None
 
     def forward(self, out: SchedulerOutput,

@@ -1,14 +1,14 @@
-"""Speculative decoding's scheduler (docs/speculative.md, "Accounting"): the core's Scheduler with the
-drafts' books.
+"""Speculative decoding's scheduler (docs/speculative.md, "Accounting"): the core's Scheduler with
+the drafts' books.
 
-A request with k draft tokens computes 1 + k tokens in one step: its newest token and the k drafts, in
-the lookahead slots (Sequence.spec_token_ids, counted in len(seq) as vLLM V1's num_tokens_with_spec,
-v0.8.2), so the core plans, reserves and builds them as any tokens. This subclass proposes the drafts
-before each plan, drops those past the token budget, records who verifies what in its own plan
-(SpecDecodeSchedulerOutput), and takes the verified run in: the verification emits a + 1 tokens, the a
-drafts accepted and one more from the target. The KV of the k - a rejected drafts was written but is
-wrong for what follows, so num_computed_tokens rolls back over them and BlockManager.truncate gives
-their blocks back.
+A request with k draft tokens computes 1 + k tokens in one step: its newest token and the k drafts,
+in the lookahead slots (Sequence.spec_token_ids, counted in len(seq) as vLLM V1's
+num_tokens_with_spec, v0.8.2), so the core plans, reserves and builds them as any tokens. This
+subclass proposes the drafts before each plan, drops those past the token budget, records who
+verifies what in its own plan (SpecDecodeSchedulerOutput), and takes the verified run in: the
+verification emits a + 1 tokens, the a drafts accepted and one more from the target. The KV of the
+k - a rejected drafts was written but is wrong for what follows, so num_computed_tokens rolls back
+over them and BlockManager.truncate gives their blocks back.
 """
 from dataclasses import dataclass, field
 
