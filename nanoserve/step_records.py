@@ -7,8 +7,7 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
 
 
