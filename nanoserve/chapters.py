@@ -21,6 +21,7 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
+from nanoserve.lora.engine import LoRAEngineCore, LoRAExecutor, LoRAModelRunner, LoRAScheduler
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.parallel.executor import MultiprocExecutor
@@ -41,7 +42,7 @@ class ChaptersSchedulerOutput(SwapSchedulerOutput, SchedulerOutput):
     """The plan with every chapter's fields."""
 
 
-class ChaptersScheduler(AsyncScheduler, PriorityScheduler, SwapScheduler, Scheduler):
+class ChaptersScheduler(AsyncScheduler, PriorityScheduler, SwapScheduler, LoRAScheduler, Scheduler):
     output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -60,15 +61,15 @@ class ChaptersInputBuilder(InputBatch):
     pass
 
 
-class ChaptersModelRunner(ModelRunner):
+class ChaptersModelRunner(LoRAModelRunner, ModelRunner):
     pass
 
 
-class ChaptersExecutor(SwapExecutor, MultiprocExecutor):
+class ChaptersExecutor(SwapExecutor, LoRAExecutor, MultiprocExecutor):
     pass
 
 
-class ChaptersEngineCore(PriorityEngineCore, BatchQueueEngineCore):
+class ChaptersEngineCore(PriorityEngineCore, LoRAEngineCore, BatchQueueEngineCore):
     pass
 
 
@@ -118,10 +119,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
 
         plug_in_kv_transfer(engine)
-    if config.lora_config is not None:  # LoRA adapters: lora/
-        from nanoserve.lora import LoRAManager
-
-        LoRAManager.plug_in(engine)
     if config.observability_config.trace:  # step records: step_records.py (the dashboard: its own)
         step_recorder(engine, keep=True)
     # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,
