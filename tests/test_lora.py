@@ -193,7 +193,7 @@ def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters, monk
 
 
 def test_logprobs_and_a_single_adapter_for_all_prompts(tiny_models, adapters):
-    llm = LLM(tiny_models["qwen3"], enable_lora=True, **ROOMY_POOL)
+    llm = LLM(tiny_models["qwen3"], enable_lora=True, max_logprobs=1, **ROOMY_POOL)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     lora = adapters["qwen3"][2]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
