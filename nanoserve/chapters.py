@@ -81,7 +81,8 @@ def asks_for_chapters(config: Config) -> bool:
                 scheduling.async_scheduling, config.device.startswith("cuda"),
                 config.parallel_config.world_size > 1, launched_by_torchrun(), frees_blocks(config),
                 config.lora_config, config.speculative_config, config.kv_offload_config,
-                config.kv_transfer_config, config.observability_config.trace))
+                config.kv_transfer_config, config.observability_config.trace, config.logprobs_config,
+                config.structured_outputs_config, config.beam_search_config))
 
 
 def build_engine(config: Config) -> EngineCore:
