@@ -9,9 +9,8 @@ draw.
 import torch
 from torch import nn
 
-from nanoserve.engine.input_batch import ModelInput
-from nanoserve.engine.model_runner import Executor, ModelRunner
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import Executor, ModelInput, ModelRunner
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models import load_model
 from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer

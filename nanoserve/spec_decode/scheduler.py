@@ -13,8 +13,7 @@ over them and BlockManager.truncate gives their blocks back.
 from dataclasses import dataclass, field
 
 from nanoserve.config import Config
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import ScheduledSequence, SchedulerOutput
+from nanoserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.spec_decode.accounting import num_rejected_tokens
 from nanoserve.spec_decode.proposer import propose_drafts
