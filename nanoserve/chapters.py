@@ -22,10 +22,11 @@ from nanoserve.engine.seams import Seams
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.sampling_params import RequestOutputKind
+from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore
 from nanoserve.scheduling.priority import PriorityScheduler, check_priority
 from nanoserve.scheduling.swap import SwapScheduler
 from nanoserve.scheduling.swap import plug_in as plug_in_swap
-from nanoserve.step_records import StepRecord, step_recorder
+from nanoserve.step_records import StepRecord, StepRecordsEngineCore
 
 
 class PrioritySwapScheduler(PriorityScheduler, SwapScheduler):
@@ -36,6 +37,11 @@ class PrioritySwapScheduler(PriorityScheduler, SwapScheduler):
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
         if not self.swapped:
             super()._preempt_for_priority(out)
+
+
+class ChaptersEngineCore(StepRecordsEngineCore, BatchQueueEngineCore):
+    """Async scheduling's engine core, its steps recorded (the records' core first: it records
+    last, after every other chapter has taken the step's output in)."""
 
 
 def scheduler_class(config: Config) -> type[Scheduler]:
@@ -69,9 +75,11 @@ def build_engine(config: Config) -> EngineCore:
         from nanoserve.persistent_batch import InputBatch
 
         parts["input_builder_class"] = InputBatch
-    engine_class = EngineCore
+    engine_class, records = EngineCore, config.observability_config.records_steps
     if scheduling.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
-        from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
+        engine_class = ChaptersEngineCore if records else BatchQueueEngineCore
+    elif records:  # step records: step_records.py
+        engine_class = StepRecordsEngineCore
     engine = engine_class(config, seams, **parts)
     try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
         if scheduling.preemption_mode == "swap":  # the swap pool, in the device pool's class
@@ -102,8 +110,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.lora import LoRAManager
 
         LoRAManager.plug_in(engine)
-    if config.observability_config.trace:  # step records: step_records.py (the dashboard: its own)
-        step_recorder(engine, keep=True)
     # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,
     # and from stopping tensor-parallel workers, at once.)
     weak = weakref.proxy(engine)
@@ -152,8 +158,10 @@ class LLM(llm.LLM):
     @property
     def trace(self) -> list[StepRecord] | None:
         """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else None."""
-        recorder = self.engine.seams.features.get("step_records")
-        return None if recorder is None else recorder.trace
+        engine = self.engine
+        if isinstance(engine, StepRecordsEngineCore) and engine.step_recorder is not None:
+            return engine.step_recorder.trace
+        return None
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: llm.Params = None,
              use_tqdm: bool = True,

@@ -203,18 +203,20 @@ def test_logprobs_and_a_single_adapter_for_all_prompts(tiny_models, adapters):
 def test_max_loras_slots(tiny_models, adapters):
     """max_loras=2 and four adapters in flight: every request finishes equal to peft, no step (nor the running
     batch) holds more than two adapters, the slots are reloaded between steps, and no block leaks."""
-    llm = LLM(tiny_models["llama"], enable_lora=True, max_loras=2, max_cpu_loras=3, **ROOMY_POOL)
+    llm = LLM(tiny_models["llama"], enable_lora=True, max_loras=2, max_cpu_loras=3, step_records=True,
+              **ROOMY_POOL)
     engine = llm.engine
-    per_step = []
-    engine.seams.observers.append(lambda out, seqs: out is not None and per_step.append(
-        ({s.lora_request.lora_int_id for s in out.seqs if s.lora_request},
-         {s.lora_request.lora_int_id for s in engine.scheduler.running if s.lora_request})))
+    per_step = []  # each step's adapters (by name), and the running batch's after it
+    engine.step_recorder.listeners.append(lambda rec: rec is not None and per_step.append(
+        ({r.lora_name for r in rec.scheduled if r.lora_name},
+         {s.lora_request.lora_name for s in engine.scheduler.running if s.lora_request})))
     loras = [adapters["llama"][1 + i % 4] for i in range(len(PROMPTS))]
     loras[3] = None
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert_equal_to_peft(tiny_models["llama"], outputs, loras)
     assert max(len(step) for step, _ in per_step) == 2 and max(len(running) for _, running in per_step) <= 2
-    assert set().union(*(step for step, _ in per_step)) == {1, 2, 3, 4}
+    assert set().union(*(step for step, _ in per_step)) == {lora.lora_name for lora in loras if lora}
+    assert len({lora.lora_int_id for lora in loras if lora}) == 4
     manager = engine.seams.request_checks["lora_request"].__self__
     assert len(manager.host) <= 3  # max_cpu_loras: least recently used read again when needed
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
