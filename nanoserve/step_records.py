@@ -1,8 +1,9 @@
-"""Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the queues and
-the KV pool after it. `StepRecordsEngineCore` is the engine core that makes them (vLLM's stat loggers, called once
-per step): its `step_recorder` keeps them for `llm.trace` and hands each to its listeners.
-`nanoserve/tools/trace.py` prints and plots them; the server's dashboard (`nanoserve serve --dashboard`, which
-builds its engine with `step_records=True`) streams them. With neither on, nothing here runs."""
+"""Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the
+queues and the KV pool after it. `StepRecordsEngineCore` is the engine core that makes them, once
+per step (as vLLM's stat loggers are called): its `step_recorder` keeps them for `llm.trace` and
+hands each to its listeners. `nanoserve/tools/trace.py` prints and plots them; the server's
+dashboard (`nanoserve serve --dashboard`, whose engine has `step_records=True`) streams them. With
+neither on, nothing here runs."""
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
@@ -124,9 +125,10 @@ class StepView:
 
 
 class StepRecorder:
-    """Records each step (StepRecordsEngineCore calls it): `LLM(..., trace=True)` keeps them all in `trace`; each
-    listener (`nanoserve serve --dashboard`) gets it then and there, in the engine's thread, and None when an abort
-    changed the queues and blocks between steps. With no trace and no listener, no record is made."""
+    """Records each step (StepRecordsEngineCore calls it): `LLM(..., trace=True)` keeps them all in
+    `trace`; each listener (`nanoserve serve --dashboard`) gets it then and there, in the engine's
+    thread, and None when an abort changed the queues and blocks between steps. With no trace and no
+    listener, no record is made."""
 
     def __init__(self, scheduler: Scheduler, keep: bool):
         self.scheduler = scheduler
@@ -222,6 +224,6 @@ class StepRecordsEngineCore(EngineCore):
 
     def abort_request(self, request_id: str) -> bool:
         aborted = super().abort_request(request_id)
-        if aborted and self.step_recorder is not None:  # the queues and blocks changed between steps
+        if aborted and self.step_recorder is not None:  # the queues and blocks changed: no step
             self.step_recorder.notify(None)
         return aborted
