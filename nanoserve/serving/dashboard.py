@@ -31,6 +31,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 from nanoserve.config import Config
 from nanoserve.scheduling.swap import SwapScheduler
 from nanoserve.serving.protocol import APIError
+from nanoserve.sliding_window import SlidingWindowBlockManager
 from nanoserve.step_records import StepReader, StepRecord, StepRecordsEngineCore, StepView
 
 PAGE = Path(__file__).with_name("dashboard.html")
@@ -109,7 +110,7 @@ def refusals(core) -> dict | None:
     so far, and the latest reasons; None on an engine without them. Read from the HTTP side: a refusal
     happens in the caller's thread, not in a step, and may come while the engine is idle."""
     pool = core.block_manager
-    if not hasattr(pool, "refused"):
+    if not isinstance(pool, SlidingWindowBlockManager):
         return None
     return dict(num=pool.num_refused, reasons=list(pool.refused.copy()))  # (a deque copies at once)
 
