@@ -87,7 +87,9 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
                 params = SamplingParams(max_tokens=rng.randint(1, min(6, max_model_len - len(prompt))), n=n,
                                         ignore_eos=rng.random() < 0.5)
                 priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
-                group = [Sequence(seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
+                group = [Sequence(seq_id + i, prompt, params, block_size, str(seq_id), index=i)
+                         for i in range(n)]
+                scheduler.priorities[str(seq_id)] = priority
                 seq_id += n
                 for s in group:
                     s.group = group

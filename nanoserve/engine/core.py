@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 from nanoserve.config import Config, has_tokenizer
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.model_runner import Executor
+from nanoserve.engine.model_runner import Executor, ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
@@ -27,9 +27,10 @@ class EngineCore:
                  executor_class: type[Executor] = Executor,
                  block_manager_class: Callable[..., BlockManager] = BlockManager,
                  scheduler_class: type[Scheduler] = Scheduler,
-                 input_builder_class: type[InputBuilder] = InputBuilder):
+                 input_builder_class: type[InputBuilder] = InputBuilder,
+                 model_runner_class: type[ModelRunner] = ModelRunner):
         self.config, self.seams = config, Seams() if seams is None else seams
-        self.executor = executor_class(config, self.seams)
+        self.executor = executor_class(config, self.seams, model_runner_class)
         try:  # a failed start ends the executor's workers and process group now (parallel/)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache
             self.input_builder = input_builder_class.from_config(
@@ -63,11 +64,8 @@ class EngineCore:
         options = {"priority": priority or None, "lora_request": lora_request}
         for name in FEATURE_OPTIONS:  # what a feature serves: one must be plugged in, and checks it
             value = options[name] if name in options else getattr(params, name)
-            if value is not None and name not in self.seams.request_checks:
-                raise ValueError(f"{name}: this engine has no feature plugged in for it; "
-                                 f"{FEATURE_OPTIONS[name]}")
             if value is not None:
-                self.seams.request_checks[name](value)
+                self.check_option(name, value)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model folder has no tokenizer, so there is no text to "
                              "find stop strings in")
@@ -78,13 +76,21 @@ class EngineCore:
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({config.max_num_seqs})")
         self.block_manager.check_fits(len(token_ids), params.max_tokens, params.n)
 
+    def check_option(self, name: str, value: object) -> None:
+        """A request sets an option a chapter serves (FEATURE_OPTIONS): the core serves none, so it
+        refuses it, saying which option of the engine's turns the chapter on."""
+        if name not in self.seams.request_checks:
+            raise ValueError(f"{name}: this engine has no feature plugged in for it; "
+                             f"{FEATURE_OPTIONS[name]}")
+        self.seams.request_checks[name](value)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
                     lora_request: LoRARequest | None = None) -> None:
         self.check_request(prompt_token_ids, sampling_params, priority, lora_request)
         request = Request(request_id, prompt_token_ids, sampling_params,
                           block_size=self.config.block_size, seq_ids=self.seq_ids,
-                          tokenizer=self.tokenizer, priority=priority, lora_request=lora_request)
+                          tokenizer=self.tokenizer, lora_request=lora_request)
         # A feature sets a request up for its option (compiles its grammar, off the step path).
         for name, set_up in self.seams.request_options.items():
             if getattr(sampling_params, name) is not None:

@@ -26,11 +26,8 @@ class SchedulerOutput:
 
     rows: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Block moves, each a pair: swap-outs (device block, host block), swap-ins (host block, device
-    # block), copy-on-write copies (source, destination), kv_offload/'s evictions (device, host) and
-    # its hits loaded back (host, device).
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Block moves, each a pair: copy-on-write copies (source, destination), kv_offload/'s evictions
+    # (device, host) and its hits loaded back (host, device).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
