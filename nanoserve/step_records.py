@@ -14,6 +14,7 @@ from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
+from nanoserve.scheduling.swap import SwapSchedulerOutput
 
 
 @dataclass
@@ -82,7 +83,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     decodes = [r.is_decode for r in scheduled]
     kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
-    swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
+    swap_ins = out.blocks_to_swap_in if isinstance(out, SwapSchedulerOutput) else []  # (swap.py's)
+    swapped_in_blocks = {device_block for _, device_block in swap_ins}
     bm = scheduler.block_manager
     num_host_cached_blocks, num_host_blocks = bm.num_offloaded_blocks()  # (kv_offload/'s host tier)
     swapped_queue = scheduler.queues().get("swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
