@@ -19,8 +19,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput

@@ -7,9 +7,8 @@ go on the sequences (Sequence.logprobs, Sequence.prompt_logprobs), where the eng
 import torch
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput, SamplingRow, to_device
-from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import ModelInput, ModelRunner, SamplingRow, to_device
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.outputs import Logprob
 

@@ -11,8 +11,7 @@ from time import perf_counter
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
 from nanoserve.scheduling.swap import SwapSchedulerOutput
 

@@ -18,9 +18,9 @@ from nanoserve.beam_search.search import BeamChild, BeamSearch, Hypothesis
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.model_runner import ModelInput
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
 

@@ -6,8 +6,7 @@ from transformers import AutoTokenizer
 
 from nanoserve.config import Config, has_tokenizer
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.model_runner import Executor, ModelRunner
+from nanoserve.engine.model_runner import Executor, InputBuilder, ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams

@@ -1,5 +1,5 @@
-"""The units the scheduler moves: a `Sequence`, its `Request` (n sequences), and the `RequestQueue`
-they wait in."""
+"""The units the scheduler moves: a `Sequence`, its `Request` (n sequences, each with an
+`IncrementalDetokenizer` for its text), and the `RequestQueue` they wait in."""
 from collections import deque
 from collections.abc import Iterator
 from enum import Enum, auto
@@ -7,11 +7,11 @@ from enum import Enum, auto
 import numpy as np
 import torch
 import xxhash
+from tokenizers.decoders import DecodeStream
 
-from nanoserve.engine.output_processor import IncrementalDetokenizer
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import Logprob
-from nanoserve.sampling_params import SamplingParams
+from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
 def compute_hash(token_ids: list[int], prefix_hash: int) -> int:
@@ -142,6 +142,51 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return all(seq.is_finished for seq in self.seqs)
+
+
+class IncrementalDetokenizer:
+    """One request's output text, token by token, and its stop strings (vLLM's semantics).
+    Byte-level BPE splits a character like an emoji over several tokens: tokenizers' DecodeStream
+    gives a token's text (None while a character is still incomplete) from the few tokens before it,
+    as vLLM's FastIncrementalDetokenizer does."""
+
+    def __init__(self, tokenizer, params: SamplingParams):
+        self.tokenizer, self.params, self.token_ids, self.text = tokenizer, params, [], ""
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.num_sent = 0  # characters of text already handed out
+        # Text no one reads before the end (LLM.generate asks for FINAL_ONLY) and no stop string
+        # looks at is decoded all at once when the sequence finishes: its steps spend nothing on it.
+        self.at_end = params.output_kind == RequestOutputKind.FINAL_ONLY and not params.stop
+        # Without include_stop_str_in_output, the tail that might begin a stop string is held back.
+        longest_stop = max(map(len, params.stop), default=1)
+        self.hold_back = 0 if params.include_stop_str_in_output else longest_stop - 1
+
+    def update(self, token_id: int, finished: bool) -> str | None:
+        """Take in a new token (the last one if finished); returns the stop string its text
+        completes, if any (the text is cut there)."""
+        self.token_ids.append(token_id)
+        new_text = None if self.at_end else self.stream.step(self.tokenizer._tokenizer, token_id)
+        # all at once: at_end, or cut off inside a character (it ends in U+FFFD)
+        if new_text is None and finished:
+            full_text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+            new_text = full_text[len(self.text) :]
+        self.text += new_text or ""
+        if not new_text or len(self.token_ids) <= self.params.min_tokens:
+            return None
+        for stop in self.params.stop:
+            # Only where the new text can complete it: the match may begin in earlier tokens' text.
+            i = self.text.find(stop, max(len(self.text) - len(new_text) - len(stop) + 1, 0))
+            if i != -1:
+                end = i + len(stop) if self.params.include_stop_str_in_output else i
+                self.text = self.text[:end]
+                return stop
+        return None
+
+    def get_delta(self, finished: bool) -> str:
+        """The text not handed out yet (all of it once finished)."""
+        end = len(self.text) if finished else max(len(self.text) - self.hold_back, self.num_sent)
+        delta, self.num_sent = self.text[self.num_sent : end], end
+        return delta
 
 
 def num_seats(seq: Sequence) -> int:

@@ -17,7 +17,7 @@ from collections import OrderedDict
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.stats import SchedulerStats
 from nanoserve.host_kv_pool import allocate_host_pool, copy_host_blocks
 

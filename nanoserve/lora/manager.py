@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.lora.adapter import LoRAAdapter, read_adapter, target_shapes
 from nanoserve.lora.layers import add_lora_slots, lora_slots_call

@@ -18,7 +18,7 @@ import torch
 
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.structured_output.grammar import GrammarCompiler, allocate_bitmask
 
