@@ -90,6 +90,9 @@ CHAPTERS = [
     (dict(scheduling_policy="priority"), "nanoserve/scheduling/priority.py"),
     (dict(async_scheduling=True), "nanoserve/scheduling/async_scheduling.py"),
     (dict(async_scheduling=True), "nanoserve/persistent_batch.py"),
+    # the chapters a request asks for are switched on by the config too (nanoserve serve turns them on)
+    (dict(max_logprobs=1), "nanoserve/logprobs.py"),
+    (dict(enable_beam_search=True), "nanoserve/beam_search/scheduler.py"),
 ]
 
 

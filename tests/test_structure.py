@@ -1,7 +1,8 @@
 """The package's shape (the developer's guide): imports run one way down the layers, with no circles; the core
 never imports a feature (chapters subclass the core's classes); no file in nanoserve/ is over 400 lines
 (nano-vllm's model_runner.py holds the step's inputs, the model runner and its CUDA graphs in 251; ours, the
-inputs with the sampling metadata, the runner and the executor), nor over 350 non-blank lines. Read from the source with ast: function-level imports count too."""
+inputs with the sampling metadata, the runner and the executor), nor over 350 non-blank lines. Read from the
+source with ast: function-level imports count too."""
 import ast
 import shutil
 from graphlib import CycleError, TopologicalSorter

@@ -89,7 +89,7 @@ class EngineCore:
         self.check_request(prompt_token_ids, sampling_params, priority, lora_request)
         request = Request(request_id, prompt_token_ids, sampling_params,
                           block_size=self.config.block_size, seq_ids=self.seq_ids,
-                          tokenizer=self.tokenizer, lora_request=lora_request)
+                          tokenizer=self.tokenizer)
         # A feature sets a request up for its option (compiles its grammar, off the step path).
         for name, set_up in self.seams.request_options.items():
             if getattr(sampling_params, name) is not None:

@@ -324,7 +324,7 @@ class ModelRunner:
 
     def apply(self, fn: Callable, *args) -> object:
         """A feature's work on this rank's model (`executor.call("apply", fn, ...)` on every rank:
-        LoRA's)."""
+        swap's and the host tier's block copies)."""
         return fn(self, *args)
 
 
@@ -356,7 +356,7 @@ class Executor:
             inputs = self.seams.propose(out, inputs, lambda *a: self.call("run_model", *a, True))
         if inputs is None:  # everyone was preempted
             return None, None
-        # the seam: e.g. async scheduling's placeholders, LoRA's rows
+        # the seam: e.g. async scheduling's placeholders
         for prepare in self.seams.before_forward:
             prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta,

@@ -9,7 +9,6 @@ import torch
 import xxhash
 from tokenizers.decoders import DecodeStream
 
-from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,21 +34,19 @@ class Sequence:
     """One sequence of a request: its tokens, where their KV lives, how far the model has got."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams,
-                 block_size: int, request_id: str = "", index: int = 0,
-                 lora_request: LoRARequest | None = None):
+                 block_size: int, request_id: str = "", index: int = 0):
         self.seq_id = seq_id  # ids count up in arrival order
         self.request_id = request_id  # the caller's name for it
         self.index = index  # which of its request's n
         self.group = [self]  # the request's n sequences: Request.seqs, one list shared by them all
-        self.lora_request = lora_request  # a record a chapter reads
         self.status = SequenceStatus.WAITING
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.sampling_params, self.block_size = sampling_params, block_size
         self.block_table: list[int] = []  # its logical block i lives in physical block_table[i]
         # The chained hash of each full block of its tokens, computed once as they come (vLLM's
-        # Request.block_hashes); the first chains from hash_root (a LoRA adapter's: the same tokens,
-        # other KV).
-        self.hash_root = -1 if lora_request is None else lora_request.hash_root
+        # Request.block_hashes); the first chains from hash_root (vLLM's extra keys: a LoRA adapter
+        # sets its own, since the same tokens under it have other KV).
+        self.hash_root = -1
         self._block_hashes: list[int] = []
         self.num_cached_tokens = 0  # prompt tokens whose KV came from the prefix cache
         self.num_computed_tokens = 0  # tokens with KV in the cache (or being computed): resume here
@@ -122,11 +119,11 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, block_size: int, seq_ids: Iterator[int],
-                 tokenizer=None, lora_request: LoRARequest | None = None):
+                 tokenizer=None):
         self.request_id, self.sampling_params = request_id, sampling_params
         self.prompt_token_ids = list(prompt_token_ids)  # (beam search restarts from it)
         self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size,
-                              request_id, i, lora_request)
+                              request_id, i)
                      for i in range(sampling_params.n)]
         for seq in self.seqs:
             seq.group = self.seqs
