@@ -79,9 +79,10 @@ class ChaptersExecutor(SpecDecodeExecutor, SwapExecutor, LoRAExecutor, Multiproc
     pass
 
 
-class ChaptersEngineCore(StepRecordsEngineCore, SpecDecodeEngineCore, PriorityEngineCore,
-                         LoRAEngineCore, BatchQueueEngineCore):
-    """(The records' core first: it records a step last, once every other chapter took it in.)"""
+class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, SpecDecodeEngineCore,
+                         PriorityEngineCore, BatchQueueEngineCore):
+    """(The records' core records a step once every chapter after it took it in; LoRA's comes
+    first so that it forgets an ended request's adapter only once the step is recorded.)"""
 
 
 def asks_for_chapters(config: Config) -> bool:
