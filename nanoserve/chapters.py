@@ -72,6 +72,8 @@ def build_engine(config: Config) -> EngineCore:
     engine_class = EngineCore
     if scheduling.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
         from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
+    if config.kv_offload_config is not None or config.kv_transfer_config is not None:
+        engine_class = kv_parts(parts, engine_class)  # TEMPORARY: until the composites
     engine = engine_class(config, seams, **parts)
     try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
         if scheduling.preemption_mode == "swap":  # the swap pool, in the device pool's class
@@ -83,6 +85,24 @@ def build_engine(config: Config) -> EngineCore:
     return engine
 
 
+def kv_parts(parts: dict, engine_class: type) -> type:
+    """TEMPORARY wiring of kv_offload/ and kv_transfer/ (replaced by chapters.py's composites)."""
+    from dataclasses import dataclass
+
+    from nanoserve import kv_offload as o
+    from nanoserve import kv_transfer as t
+    from nanoserve.engine.model_runner import Executor
+
+    out = dataclass(type("Out", (t.KVTransferSchedulerOutput, o.HostTierSchedulerOutput), {}))
+    parts["scheduler_class"] = type("S", (t.KVTransferScheduler, o.HostTierScheduler,
+                                          parts["scheduler_class"]), {"output_class": out})
+    parts["block_manager_class"] = type("B", (t.KVTransferBlockManager, o.HostTierBlockManager,
+                                              parts.get("block_manager_class", BlockManager)), {})
+    parts["executor_class"] = type("X", (t.KVTransferExecutor, o.HostTierExecutor,
+                                         parts.get("executor_class", Executor)), {})
+    return type("E", (t.KVTransferEngineCore, o.HostTierEngineCore, engine_class), {})
+
+
 def plug_in_chapters(engine: EngineCore) -> None:
     """The chapters the config asks for, once the engine is built, and those a request may ask for."""
     config, seams = engine.config, engine.seams
@@ -90,14 +110,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.spec_decode import plug_in
 
         plug_in(engine)
-    if config.kv_offload_config is not None:  # the prefix cache's host tier: kv_offload/
-        from nanoserve.kv_offload import plug_in as plug_in_host_tier
-
-        plug_in_host_tier(engine)
-    if config.kv_transfer_config is not None:  # disaggregated prefill: kv_transfer/
-        from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
-
-        plug_in_kv_transfer(engine)
     if config.lora_config is not None:  # LoRA adapters: lora/
         from nanoserve.lora import LoRAManager
 

@@ -80,7 +80,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
     swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
     bm = scheduler.block_manager
-    tier = bm.seams.kv_cache_tier  # kv_offload/'s HostKVTier, if plugged in
+    tier = getattr(bm, "host_tier", None)  # kv_offload/'s HostKVTier, with kv_offloading_size
     swapped_queue = scheduler.queues().get("swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *swapped_queue]
     return StepRecord(
@@ -103,7 +103,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
         blocks_copied=list(out.blocks_to_copy),
         forked=list(out.forked_beams), dropped=list(out.dropped_beams),
-        blocks_offloaded=list(out.blocks_to_offload), blocks_loaded=list(out.blocks_to_load),
+        blocks_offloaded=list(getattr(out, "blocks_to_offload", [])),  # (kv_offload/'s plan)
+        blocks_loaded=list(getattr(out, "blocks_to_load", [])),
         num_host_cached_blocks=len(tier.cached) if tier is not None else 0,
         num_host_blocks=tier.num_blocks if tier is not None else 0,
         num_freed_behind_window=getattr(bm, "num_freed_behind_window", 0),

@@ -43,7 +43,7 @@ def disaggregated(producer: LLM, consumer: LLM, prompts: list[list[int]], params
 
 
 def connector(llm: LLM):
-    return llm.engine.seams.features["kv_transfer"]
+    return llm.engine.kv_connector
 
 
 def assert_nothing_leaked(*llms: LLM) -> None:

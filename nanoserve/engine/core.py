@@ -37,7 +37,7 @@ class EngineCore:
                 extra_logits_rows=self.seams.extra_logits_rows)
             self.block_manager = block_manager_class(
                 self.model_runner.num_kvcache_blocks, config.block_size,
-                config.enable_prefix_caching, self.seams)
+                config.enable_prefix_caching)
             self.scheduler = scheduler_class(config, self.block_manager, self.seams)
             self.tokenizer = (AutoTokenizer.from_pretrained(config.model)
                               if has_tokenizer(config.model) else None)
@@ -63,11 +63,8 @@ class EngineCore:
         options = {"priority": priority or None, "lora_request": lora_request}
         for name in FEATURE_OPTIONS:  # what a feature serves: one must be plugged in, and checks it
             value = options[name] if name in options else getattr(params, name)
-            if value is not None and name not in self.seams.request_checks:
-                raise ValueError(f"{name}: this engine has no feature plugged in for it; "
-                                 f"{FEATURE_OPTIONS[name]}")
             if value is not None:
-                self.seams.request_checks[name](value)
+                self.check_option(name, value)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop: this model folder has no tokenizer, so there is no text to "
                              "find stop strings in")
@@ -77,6 +74,14 @@ class EngineCore:
         if params.n > config.max_num_seqs:  # a request's sequences run together
             raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({config.max_num_seqs})")
         self.block_manager.check_fits(len(token_ids), params.max_tokens, params.n)
+
+    def check_option(self, name: str, value: object) -> None:
+        """A request option that a chapter serves (FEATURE_OPTIONS), set: refused, naming how to
+        turn the chapter on, unless the chapter's subclass takes it (and checks it)."""
+        if name not in self.seams.request_checks:
+            raise ValueError(f"{name}: this engine has no feature plugged in for it; "
+                             f"{FEATURE_OPTIONS[name]}")
+        self.seams.request_checks[name](value)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
@@ -113,6 +118,11 @@ class EngineCore:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def steps_in_flight(self) -> list[SchedulerOutput]:
+        """The plans of the steps planned but not yet taken in: here none, as each step is taken
+        in before the next is planned (async scheduling plans ahead)."""
+        return []
 
     # ---- a step ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:

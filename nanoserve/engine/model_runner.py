@@ -146,12 +146,8 @@ class Executor:
                inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
         """The step up to the logits: the inputs that ran (with a draft model's drafts) and their
         logits."""
-        # the seam: KV moved between pools (swap, the host tier), reads of the device first
-        for way in ("out", "in"):
-            for move in self.seams.move_kv:
-                move(out, self, way)
-        if out.blocks_to_copy:  # copy-on-write, inside the device pool
-            self.call("copy_blocks", out.blocks_to_copy)
+        for way in ("out", "in"):  # reads of the device pool first
+            self.move_kv(out, way)
         # the seam before the forward: a draft model fills the lookahead slots (draft=True)
         if self.seams.propose is not None:
             inputs = self.seams.propose(out, inputs, lambda *a: self.call("run_model", *a, True))
@@ -162,6 +158,16 @@ class Executor:
             prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta,
                                  inputs.logits_rows)
+
+    def move_kv(self, out: SchedulerOutput, way: str) -> None:
+        """The step's KV block copies, before the forward, in two passes: way "out", the copies that
+        read the device pool (a chapter's swap-outs, offloads), then way "in", those that write it
+        (swap-ins, loads), since a block the first free may be the second's destination. A chapter
+        makes its copies, then calls this: the core's copy-on-write copies come last."""
+        for move in self.seams.move_kv:  # the seam: swap's copies
+            move(out, self, way)
+        if way == "in" and out.blocks_to_copy:  # copy-on-write, inside the device pool
+            self.call("copy_blocks", out.blocks_to_copy)
 
     def finish(self, out: SchedulerOutput, inputs: ModelInput | None,
                logits: torch.Tensor | None) -> torch.Tensor:

@@ -13,6 +13,7 @@ from nanoserve.engine.stats import SchedulerStats
 
 class Scheduler:
     queue_class = RequestQueue  # first come, first served (the priority chapter sorts)
+    output_class = SchedulerOutput  # the plan (a chapter's scheduler plans into its subclass)
 
     def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
         self.max_num_seqs = config.max_num_seqs
@@ -39,7 +40,7 @@ class Scheduler:
         """Plan the next step. Once planned it counts as done (V1): its sampled token is a
         placeholder till then."""
         self.stats.num_steps += 1
-        out = SchedulerOutput()
+        out = self.output_class()
         self._plan(out)
         for after_schedule in self.seams.after_schedule:  # e.g. the host tier adds its copies
             after_schedule(out)
@@ -90,11 +91,14 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, budget, out)
 
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
-        """The first waiting sequence the admits seams let join (LoRA's max_loras),
-        if it has seats."""
-        seq = next((s for s in self.waiting
-                    if all(admits(s, self, out) for admits in self.seams.admits)), None)
+        """The first waiting sequence that may join this step, if it has seats."""
+        seq = next((s for s in self.waiting if self.can_admit(s, out)), None)
         return seq if seq is not None and num_seats(seq) <= self.num_free_seats() else None
+
+    def can_admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """May waiting seq join this step? One that may not keeps its place; those behind it may go
+        (LoRA's max_loras; a consumer's request whose KV is still on its way)."""
+        return all(admits(seq, self, out) for admits in self.seams.admits)
 
     def num_free_seats(self) -> int:  # (seats include the forks to come)
         return self.max_num_seqs - sum(map(num_seats, self.running))

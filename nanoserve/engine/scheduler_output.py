@@ -27,18 +27,10 @@ class SchedulerOutput:
     rows: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     # Block moves, each a pair: swap-outs (device block, host block), swap-ins (host block, device
-    # block), copy-on-write copies (source, destination), kv_offload/'s evictions (device, host) and
-    # its hits loaded back (host, device).
+    # block), copy-on-write copies (source, destination).
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
-    # The executor's failed offloads and loads, with why (a failed load's block has no KV).
-    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    # kv_transfer/: the step's KV loads and saves for another engine
-    kv_connector_metadata: object = None
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     # seq_id -> lookahead tokens
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)

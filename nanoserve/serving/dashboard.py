@@ -92,7 +92,7 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
                      generated=seq.num_completion_tokens, max_tokens=seq.sampling_params.max_tokens,
                      cached=seq.num_cached_tokens)
                 for name, queue in queues.items() for seq in islice(queue, max_requests)]
-    tier = core.seams.kv_cache_tier  # the prefix cache's host tier (kv_offload/), in counts; None when off
+    tier = getattr(core, "host_tier", None)  # the prefix cache's host tier (kv_offload/); None: off
     host_tier = None if tier is None else dict(cached=len(tier.cached), num_blocks=tier.num_blocks)
     return dict(blocks=blocks, num_blocks=pool.num_blocks, host_blocks=host_blocks,
                 num_host_blocks=host.num_blocks if host else 0, requests=requests,
@@ -112,7 +112,7 @@ def refusals(core) -> dict | None:
 
 def kv_transfer_json(core) -> dict | None:
     """Disaggregated prefill's counters (kv_transfer/): blocks sent, or received; None on an engine without it."""
-    connector = core.seams.features.get("kv_transfer")
+    connector = getattr(core, "kv_connector", None)
     if connector is None:
         return None
     error = connector.pipe.error
