@@ -1,14 +1,16 @@
-"""The prefix cache's second tier (vLLM's --kv-offloading-size, SGLang's hierarchical cache): a cached block the
-device pool evicts keeps its KV in host memory, under the same hash; a prompt whose prefix the device misses finds
-the rest here and copies it back into fresh device blocks instead of recomputing it (docs/kv_offload.md).
+"""The prefix cache's second tier (vLLM's --kv-offloading-size, SGLang's hierarchical cache): a
+cached block the device pool evicts keeps its KV in host memory, under the same hash; a prompt whose
+prefix the device misses finds the rest here and copies it back into fresh device blocks instead of
+recomputing it (docs/kv_offload.md).
 
-The chapter is four subclasses of the core's parts, each inert unless config.kv_offload_config is set:
-HostTierBlockManager keeps the device pool's side (an evicted cached block moves down, a prefix the device misses
-is looked up here), HostTierScheduler hands the step's copies to its plan (a HostTierSchedulerOutput),
-HostTierExecutor runs them before the forward, one block at a time (a failed copy costs only its block), and
-HostTierEngineCore gives every rank its host pool (host_kv_pool.py, under "kv_offloading_size") and the tier its
-books (HostKVTier: which hash each host block holds, least recently used first); after the step it fails exactly
-the requests a failed load left without KV, and forgets the host blocks whose copies failed.
+The chapter is four subclasses of the core's parts, each inert unless config.kv_offload_config is
+set. HostTierBlockManager keeps the device pool's side (an evicted cached block moves down, a prefix
+the device misses is looked up here); HostTierScheduler hands the step's copies to its plan (a
+HostTierSchedulerOutput); HostTierExecutor runs them before the forward, one block at a time (a
+failed copy costs only its block); HostTierEngineCore gives every rank its host pool
+(host_kv_pool.py, under "kv_offloading_size") and the tier its books (HostKVTier: which hash each
+host block holds, least recently used first). After a step it fails exactly the requests a failed
+load left without KV, and forgets the host blocks whose copies failed.
 """
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -144,7 +146,7 @@ class HostTierBlockManager(BlockManager):
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         """The blocks the host tier holds past the device's cached prefix count as cached too: each
-        gets a fresh device block, loaded before the step's forward and in the prefix cache at once."""
+        gets a fresh device block, loaded before the step's forward, in the prefix cache at once."""
         if self.host_tier is None:
             return super().allocate(seq, max_new_tokens)
         num_device_hits = len(self._cached_prefix(seq))
@@ -194,7 +196,7 @@ class HostTierExecutor(Executor):
     def __init__(self, config: Config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
         self.kv_offloading = config.kv_offload_config is not None
-        self.lost_blocks: set[int] = set()  # host blocks whose offload failed: no KV until one works
+        self.lost_blocks: set[int] = set()  # host blocks whose offload failed: no KV till one works
 
     def move_kv(self, out: SchedulerOutput, way: str) -> None:
         if self.kv_offloading:

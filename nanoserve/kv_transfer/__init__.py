@@ -3,13 +3,14 @@ another receives their KV blocks and generates (the consumer, kv_consumer), and 
 through both (serving/proxy.py). It buys control, not throughput: a long prompt no longer stalls the decodes of
 other requests, since they run on another engine (docs/disaggregated.md).
 
-The connector, P2pConnector (connector.py), has vLLM's KVConnectorBase_V1 methods; the chapter's subclasses of the
-core's parts call them where vLLM's scheduler and worker do, each inert unless config.kv_transfer_config is set:
-KVTransferEngineCore makes the connector, checks and sets up a request's kv_transfer_params;
-KVTransferScheduler holds a consumer's request back until its blocks came and puts the step's loads and saves in
-its plan (a KVTransferSchedulerOutput); KVTransferBlockManager counts the received KV as computed once a prompt
-has its blocks; KVTransferExecutor writes it into the consumer's blocks before the forward, and copies the
-producer's out after it. The KV travels over a torch.distributed process group of the two engines (pipe.py).
+The connector, P2pConnector (connector.py), has vLLM's KVConnectorBase_V1 methods; the chapter's
+subclasses of the core's parts call them where vLLM's scheduler and worker do, each inert unless
+config.kv_transfer_config is set. KVTransferEngineCore makes the connector, checks and sets up a
+request's kv_transfer_params; KVTransferScheduler holds a consumer's request back until its blocks
+came, and puts the step's loads and saves in its plan (a KVTransferSchedulerOutput);
+KVTransferBlockManager counts the received KV as computed once a prompt has its blocks;
+KVTransferExecutor writes it into the consumer's blocks before the forward, and copies the
+producer's out after it. The KV travels over a torch.distributed group of the two engines (pipe.py).
 """
 from dataclasses import dataclass, field
 
@@ -25,8 +26,9 @@ from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.kv_transfer.connector import ConnectorMetadata, KVTransferStats, P2pConnector
 
-__all__ = ["KVTransferBlockManager", "KVTransferEngineCore", "KVTransferExecutor", "KVTransferScheduler",
-           "KVTransferSchedulerOutput", "KVTransferStats", "P2pConnector", "remote_prefill_params"]
+__all__ = ["KVTransferBlockManager", "KVTransferEngineCore", "KVTransferExecutor",
+           "KVTransferScheduler", "KVTransferSchedulerOutput", "KVTransferStats", "P2pConnector",
+           "remote_prefill_params"]
 
 
 @dataclass
@@ -40,7 +42,7 @@ class KVTransferBlockManager(BlockManager):
     kv_connector: P2pConnector | None = None  # KVTransferEngineCore's; None: off
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
-        """Once the prompt has its blocks, more of it counts as computed: KV another engine computed."""
+        """Once the prompt has its blocks, more of it counts as computed: KV another engine made."""
         if not super().allocate(seq, max_new_tokens):
             return False
         if self.kv_connector is not None:
@@ -54,7 +56,8 @@ class KVTransferScheduler(Scheduler):
 
     def can_admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """A consumer's request waits, keeping its place, until its prompt's KV came."""
-        if self.kv_connector is not None and not self.kv_connector.has_remote_kvs(seq, not self.running):
+        connector = self.kv_connector
+        if connector is not None and not connector.has_remote_kvs(seq, idle=not self.running):
             return False
         return super().can_admit(seq, out)
 
@@ -66,7 +69,8 @@ class KVTransferScheduler(Scheduler):
 
 
 class KVTransferExecutor(Executor):
-    """The connector's worker side: loads with the copies that write the device pool, saves after the forward."""
+    """The connector's worker side: loads with the copies that write the device pool, saves after
+    the forward."""
 
     kv_connector: P2pConnector | None = None  # KVTransferEngineCore's; None: off
 
@@ -83,13 +87,14 @@ class KVTransferExecutor(Executor):
 
 
 class KVTransferEngineCore(EngineCore):
-    """Joins the engine to its peer as its kv_transfer_config says (the peer may come later: a thread waits), and
-    hands the connector to the parts that call it."""
+    """Joins the engine to its peer as its kv_transfer_config says (the peer may come later: a
+    thread waits), and hands the connector to the parts that call it."""
 
     def __init__(self, config: Config, *args, **kwargs):
         if config.kv_transfer_config is not None and config.parallel_config.world_size > 1:
-            raise ValueError("kv_transfer_config: needs tensor_parallel_size = pipeline_parallel_size = 1 "
-                             "(each rank would have to send its own share of the KV)")
+            raise ValueError("kv_transfer_config: needs tensor_parallel_size = "
+                             "pipeline_parallel_size = 1 (each rank would have to send its own "
+                             "share of the KV)")
         super().__init__(config, *args, **kwargs)
         self.kv_connector: P2pConnector | None = None
         if config.kv_transfer_config is None:

@@ -1,19 +1,21 @@
-"""P2pConnector: a KV connector (vLLM's KVConnectorBase_V1 shape: its methods, where vLLM's scheduler and worker call
-them) for a pair of engines; the chapter's subclasses of the core's parts (kv_transfer/__init__.py) call it.
+"""P2pConnector: a KV connector for a pair of engines, with vLLM's KVConnectorBase_V1 methods; the
+chapter's subclasses of the core's parts (kv_transfer/__init__.py) call them where vLLM's scheduler
+and worker do.
 
-The producer (prefill) side: a request with kv_transfer_params {"do_remote_decode": true} computes its prompt as
-any other; in the step that completes the prompt, `build_connector_meta` names its blocks and their chained hashes,
-and after the step's forward `wait_for_save` copies their KV into the KVStore (pipe.py), so the blocks are freed as
-usual (vLLM's request_finished, which holds a finished request's blocks until they are sent, is not needed).
+The producer (prefill) side: a request with kv_transfer_params {"do_remote_decode": true} computes
+its prompt as any other; in the step that completes the prompt, `build_connector_meta` names its
+blocks and their chained hashes, and after the step's forward `wait_for_save` copies their KV into
+the KVStore (pipe.py), so the blocks are freed as usual (vLLM's request_finished, which holds a
+finished request's blocks until they are sent, is not needed).
 
-The consumer (decode) side: a request with {"do_remote_prefill": true} asks the producer, as soon as it is added,
-for the prompt blocks it does not hold itself (by chained hash: cached blocks are never sent again). It waits in
-the queue until they came (`has_remote_kvs`: vLLM's WAITING_FOR_REMOTE_KVS); once it has its blocks,
-`update_state_after_alloc` counts all of the prompt but its last token as computed (`get_num_new_matched_tokens`),
-notes which received block goes into which of its fresh blocks, and `start_load_kv` writes them in before the
-forward. Its first step computes the
-prompt's last token only. A transfer that fails or takes longer than transfer_timeout is no error: the consumer
-computes the prompt itself (stats.num_failed_transfers counts it).
+The consumer (decode) side: a request with {"do_remote_prefill": true} asks the producer, as soon as
+it is added, for the prompt blocks it does not hold itself (by chained hash: cached blocks are never
+sent again). It waits in the queue until they came (`has_remote_kvs`: vLLM's
+WAITING_FOR_REMOTE_KVS); once it has its blocks, `update_state_after_alloc` counts all of the prompt
+but its last token as computed (`get_num_new_matched_tokens`), notes which received block goes into
+which of its fresh blocks, and `start_load_kv` writes them in before the forward. Its first step
+computes the prompt's last token only. A transfer that fails or takes longer than transfer_timeout
+is no error: the consumer computes the prompt itself (stats.num_failed_transfers counts it).
 """
 import logging
 import time
@@ -83,7 +85,7 @@ def check_params(params: object, config: KVTransferConfig) -> None:
 
 
 class P2pConnector:
-    """Both sides of the connector, for one engine of the pair (its kv_role says which half runs)."""
+    """Both sides of the connector, for one engine of the pair (its kv_role says which runs)."""
 
     def __init__(self, engine: EngineCore, config: KVTransferConfig):
         self.config, self.block_size = config, engine.config.block_size
@@ -98,7 +100,7 @@ class P2pConnector:
         self.received: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request id -> (first block, its KV)
         self.meta = ConnectorMetadata()  # the step being planned
 
-    # ---- requests ----------------------------------------------------------------------------------
+    # ---- requests ------------------------------------------------------------------------------
     def check_request(self, params: object) -> None:
         """A request's kv_transfer_params, before it is queued."""
         check_params(params, self.config)
@@ -123,8 +125,8 @@ class P2pConnector:
         return len(hashes)
 
     def has_remote_kvs(self, seq: Sequence, idle: bool) -> bool:
-        """A consumer's request waits in the queue, keeping its place, until its blocks came or its time ran out
-        (idle: the engine runs nobody else)."""
+        """A consumer's request waits in the queue, keeping its place, until its blocks came or its
+        time ran out (idle: the engine runs nobody else)."""
         pull = self.pulls.get(seq.request_id)
         if pull is None or pull.future.done():
             return True
@@ -165,9 +167,9 @@ class P2pConnector:
         return end - num_computed_tokens
 
     def update_state_after_alloc(self, seq: Sequence) -> None:
-        """seq got its blocks (KVTransferBlockManager.allocate): the received ones go into them before this step's
-        forward, and count as computed; the full ones join the prefix cache at once (as the host tier's loads: their
-        copies run before any forward reads them)."""
+        """seq got its blocks (KVTransferBlockManager.allocate): the received ones go into them
+        before this step's forward, and count as computed; the full ones join the prefix cache at
+        once (as the host tier's loads: their copies run before any forward reads them)."""
         num_local = seq.num_computed_tokens
         num_external = self.get_num_new_matched_tokens(seq, num_local)
         if not num_external:
@@ -181,8 +183,9 @@ class P2pConnector:
         self.stats.num_received_tokens += num_external
 
     def build_connector_meta(self, out: SchedulerOutput) -> ConnectorMetadata:
-        """The planned step's work for the worker side: its loads (noted as requests got their blocks) and, on the
-        producer, the blocks of every prompt that this step completes, to save after it."""
+        """The planned step's work for the worker side: its loads (noted as requests got their
+        blocks) and, on the producer, the blocks of every prompt that this step completes, to save
+        after it."""
         meta, self.meta = self.meta, ConnectorMetadata()
         for row in out.rows:
             seq, params = row.seq, row.seq.sampling_params.kv_transfer_params
@@ -193,14 +196,16 @@ class P2pConnector:
             del self.pulls[request_id]
         return meta
 
-    # ---- the worker's side (KVTransferExecutor) ----------------------------------------------------
+    # ---- the worker's side (KVTransferExecutor) ------------------------------------------------
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
-        """Before the forward, with the copies that write the device pool: the received KV into its blocks."""
+        """Before the forward, with the copies that write the device pool: the received KV into its
+        blocks."""
         for kv, block_id in meta.loads:
             self.kv_cache[:, :, block_id] = kv.to(self.kv_cache.device)
 
     def wait_for_save(self, meta: ConnectorMetadata) -> None:
-        """After the forward (only one that succeeded): the KV of the prompts it completed into the KVStore."""
+        """After the forward (only one that succeeded): the KV of the prompts it completed, into the
+        KVStore."""
         for block_hash, block_id in meta.saves:
             self.store.put(block_hash, self.kv_cache[:, :, block_id].to("cpu", copy=True))
             self.stats.num_saved_blocks += 1
