@@ -1,106 +1,125 @@
 """The chapters: nanoserve's LLM and AsyncLLM, the core's with every feature plugged in (`nanoserve.LLM`).
 
-`build_engine(config)` is the one place that builds an engine from its config: it picks each part's class (the
-core's, or a chapter's subclass of it: the scheduler designs, the window's block manager, the persistent batch, the
-ranks' executor, async scheduling's engine; chapters that meet on one class meet here, as PrioritySwapScheduler),
-then hands the other features their seams (engine/seams.py). A feature the config asks for is plugged in here, its
-module imported only then; a feature a request asks for (structured outputs, beam search) joins with its first
-request. A plain request asks for none, so it runs the core alone (tests/test_reading_guide.py checks that).
+A chapter is a subclass of each core class it changes, overriding methods the core already has, and
+each does nothing of its own unless its config asks for it. They meet here, in one composite class per
+part of the engine (`ChaptersScheduler` ...), whose bases list them in the order their overrides run
+(each calls `super()`, down to the core's). `build_engine(config)` builds the core's classes alone
+when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py checks that
+it runs the core alone), else the composites. Chapters that still plug into the seams
+(engine/seams.py) are handed them after the engine is built.
 """
 import weakref
+from dataclasses import dataclass
 from functools import partial
 
 from nanoserve import async_llm, llm
 from nanoserve.beam_search_params import BeamSearchParams
-from nanoserve.config import Config, sliding_windows
+from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
+from nanoserve.kv_offload import (
+    HostTierBlockManager,
+    HostTierEngineCore,
+    HostTierExecutor,
+    HostTierScheduler,
+    HostTierSchedulerOutput,
+)
+from nanoserve.kv_transfer import (
+    KVTransferBlockManager,
+    KVTransferEngineCore,
+    KVTransferExecutor,
+    KVTransferScheduler,
+    KVTransferSchedulerOutput,
+)
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
+from nanoserve.parallel.executor import MultiprocExecutor
+from nanoserve.parallel.torchrun import launched_by_torchrun
+from nanoserve.persistent_batch import InputBatch
 from nanoserve.sampling_params import RequestOutputKind
-from nanoserve.scheduling.priority import PriorityScheduler, check_priority
-from nanoserve.scheduling.swap import SwapScheduler
+from nanoserve.scheduling.async_scheduling import AsyncScheduler, BatchQueueEngineCore
+from nanoserve.scheduling.priority import PriorityEngineCore, PriorityScheduler
+from nanoserve.scheduling.swap import SwapExecutor, SwapScheduler, SwapSchedulerOutput
 from nanoserve.scheduling.swap import plug_in as plug_in_swap
+from nanoserve.sliding_window import frees_blocks, window_block_manager
 from nanoserve.step_records import StepRecord, step_recorder
 
 
-class PrioritySwapScheduler(PriorityScheduler, SwapScheduler):
-    """Where priority meets swap: the queues are sorted by priority, preemption swaps when the host pool has
-    room, and an urgent newcomer takes blocks from less urgent running requests only while nobody is swapped
-    out (a swapped victim would come back before the newcomer and take its blocks back)."""
+# ---- the composites: each part's chapters, in the order their overrides run ------------------------
+@dataclass
+class ChaptersSchedulerOutput(KVTransferSchedulerOutput, HostTierSchedulerOutput,
+                              SwapSchedulerOutput, SchedulerOutput):
+    """The plan with every chapter's fields."""
+
+
+class ChaptersScheduler(KVTransferScheduler, HostTierScheduler, AsyncScheduler, PriorityScheduler,
+                        SwapScheduler, Scheduler):
+    output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
+        """Where priority meets swap: an urgent newcomer takes blocks from less urgent running
+        requests only while nobody is swapped out (a swapped victim would come back before the
+        newcomer and take its blocks back)."""
         if not self.swapped:
             super()._preempt_for_priority(out)
 
 
-def scheduler_class(config: Config) -> type[Scheduler]:
-    """The core's Scheduler, or the subclass of the scheduler designs the config asks for (scheduling/)."""
+class ChaptersBlockManager(KVTransferBlockManager, HostTierBlockManager, BlockManager):
+    """(Disaggregated prefill's allocate calls super() first: the KV it receives continues the
+    prefix that the device and the host tier hold.)"""
+
+
+class ChaptersInputBuilder(InputBatch):
+    pass
+
+
+class ChaptersModelRunner(ModelRunner):
+    pass
+
+
+class ChaptersExecutor(KVTransferExecutor, HostTierExecutor, SwapExecutor, MultiprocExecutor):
+    pass
+
+
+class ChaptersEngineCore(KVTransferEngineCore, HostTierEngineCore, PriorityEngineCore,
+                         BatchQueueEngineCore):
+    pass
+
+
+def asks_for_chapters(config: Config) -> bool:
+    """Does the config turn on any chapter (else the engine is the core's classes alone)?"""
     scheduling = config.scheduler_config
-    priority = scheduling.scheduling_policy == "priority"
-    swap = scheduling.preemption_mode == "swap"
-    if priority:
-        return PrioritySwapScheduler if swap else PriorityScheduler
-    return SwapScheduler if swap else Scheduler
+    return any((scheduling.scheduling_policy != "fcfs", scheduling.preemption_mode != "recompute",
+                scheduling.async_scheduling, config.device.startswith("cuda"),
+                config.parallel_config.world_size > 1, launched_by_torchrun(), frees_blocks(config),
+                config.lora_config, config.speculative_config, config.kv_offload_config,
+                config.kv_transfer_config, config.observability_config.trace))
 
 
 def build_engine(config: Config) -> EngineCore:
-    """The engine config asks for: each part the core's class or a chapter's subclass of it, chosen here."""
-    from nanoserve.parallel.torchrun import launched_by_torchrun
-
-    seams, parts = Seams(), {"scheduler_class": scheduler_class(config)}
-    if config.parallel_config.world_size > 1 or launched_by_torchrun():
-        from nanoserve.parallel.executor import MultiprocExecutor  # the ranks: parallel/
-
-        parts["executor_class"] = MultiprocExecutor
-    if any(sliding_windows(config.hf_config)):  # blocks freed behind the window: sliding_window/
-        from nanoserve.sliding_window import window_block_manager
-
-        if (block_manager_class := window_block_manager(config)) is not None:
-            parts["block_manager_class"] = block_manager_class
-    scheduling = config.scheduler_config
-    if scheduling.scheduling_policy == "priority":  # generate(..., priority=[...]): priority.py
-        seams.request_checks["priority"] = check_priority
-    if config.device.startswith("cuda") or scheduling.async_scheduling:  # persistent_batch.py
-        from nanoserve.persistent_batch import InputBatch
-
-        parts["input_builder_class"] = InputBatch
-    engine_class = EngineCore
-    if scheduling.async_scheduling:  # vLLM's batch queue: scheduling/async_scheduling.py
-        from nanoserve.scheduling.async_scheduling import BatchQueueEngineCore as engine_class
-    if config.kv_offload_config is not None or config.kv_transfer_config is not None:
-        engine_class = kv_parts(parts, engine_class)  # TEMPORARY: until the composites
-    engine = engine_class(config, seams, **parts)
+    """The engine the config asks for: the core's classes, or the chapters' composites."""
+    seams, block_manager_class = Seams(), BlockManager
+    if not asks_for_chapters(config):
+        engine = EngineCore(config, seams)
+    else:  # (the window's block manager frees blocks behind the window: sliding_window/)
+        block_manager_class = window_block_manager(config) or ChaptersBlockManager
+        engine = ChaptersEngineCore(
+            config, seams, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
+            scheduler_class=ChaptersScheduler, input_builder_class=ChaptersInputBuilder,
+            model_runner_class=ChaptersModelRunner)
     try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
-        if scheduling.preemption_mode == "swap":  # the swap pool, in the device pool's class
-            plug_in_swap(engine, parts.get("block_manager_class", BlockManager))
+        if config.scheduler_config.preemption_mode == "swap":  # the swap pool, in the device pool's class
+            plug_in_swap(engine, block_manager_class)
         plug_in_chapters(engine)
     except BaseException:
         engine.shutdown()
         raise
     return engine
-
-
-def kv_parts(parts: dict, engine_class: type) -> type:
-    """TEMPORARY wiring of kv_offload/ and kv_transfer/ (replaced by chapters.py's composites)."""
-    from dataclasses import dataclass
-
-    from nanoserve import kv_offload as o
-    from nanoserve import kv_transfer as t
-    from nanoserve.engine.model_runner import Executor
-
-    out = dataclass(type("Out", (t.KVTransferSchedulerOutput, o.HostTierSchedulerOutput), {}))
-    parts["scheduler_class"] = type("S", (t.KVTransferScheduler, o.HostTierScheduler,
-                                          parts["scheduler_class"]), {"output_class": out})
-    parts["block_manager_class"] = type("B", (t.KVTransferBlockManager, o.HostTierBlockManager,
-                                              parts.get("block_manager_class", BlockManager)), {})
-    parts["executor_class"] = type("X", (t.KVTransferExecutor, o.HostTierExecutor,
-                                         parts.get("executor_class", Executor)), {})
-    return type("E", (t.KVTransferEngineCore, o.HostTierEngineCore, engine_class), {})
 
 
 def plug_in_chapters(engine: EngineCore) -> None:

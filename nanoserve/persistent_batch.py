@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from nanoserve.config import Config
 from nanoserve.engine.input_batch import PARAMS, InputBuilder, StepArrays
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
@@ -32,7 +33,16 @@ def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
 @dataclass
 class InputBatch(InputBuilder):
     """The InputBuilder that keeps the rows of the sequences the last steps scheduled; a row is reused once its
-    sequence is gone."""
+    sequence is gone. On CPU without async scheduling (persistent False) it is the core's InputBuilder."""
+
+    persistent: bool = True
+
+    @classmethod
+    def from_config(cls, config: Config, **fields) -> "InputBatch":
+        # Where host time matters (CUDA), and for async scheduling, whose placeholders its rows hold.
+        fields.setdefault("persistent", config.device.startswith("cuda")
+                          or config.scheduler_config.async_scheduling)
+        return super().from_config(config, **fields)
 
     def __post_init__(self) -> None:
         self.row_of: dict[Sequence, int] = {}
@@ -49,6 +59,8 @@ class InputBatch(InputBuilder):
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """Bring the rows of out's sequences up to date, then gather the step's inputs from them (what the
         core's InputBuilder.flatten builds with its loops)."""
+        if not self.persistent:
+            return super().flatten(out)
         self.step_seqs = seqs = out.seqs
         rewrite_blocks = bool(out.blocks_to_copy)  # copy-on-write replaced a last block in place
         rows = np.array([self._sync(seq, rewrite_blocks) for seq in seqs], np.int64)

@@ -209,15 +209,14 @@ def start_server(args: list[str], log: Path, env: dict | None = None, module: st
 def make_scheduler(config, block_manager, host_block_manager=None, seams=None):
     """The scheduler an engine with `config` has (the core's, or with the swap and priority chapters:
     nanoserve/chapters.py), over these pools, with speculative decoding's rollback when the config asks for it."""
-    from nanoserve.chapters import scheduler_class
+    from nanoserve.chapters import ChaptersScheduler
     from nanoserve.engine.block_manager import BlockManager
-    from nanoserve.engine.scheduler import Scheduler
     from nanoserve.engine.seams import Seams
     from nanoserve.spec_decode.accounting import accept_run
 
     seams = Seams() if seams is None else seams
     seams.accept_lookahead = seams.accept_lookahead or accept_run
-    scheduler = (scheduler_class(config) or Scheduler)(config, block_manager, seams)
+    scheduler = ChaptersScheduler(config, block_manager, seams)
     if config.scheduler_config.preemption_mode == "swap":
         scheduler.host_block_manager = host_block_manager or BlockManager(0, config.block_size, False)
     return scheduler

@@ -18,8 +18,8 @@ NUM_CASES = 120
 
 
 def move_kv(kv: dict, swap_kv: dict, host_kv: dict, out: HostTierSchedulerOutput, block_size: int) -> None:
-    """The copies the executor has the model runners make (Executor.move_kv), in its order: reads of the device pool
-    first."""
+    """The copies the executor has the model runners make (Executor.copy_kv_out, then copy_kv_in), in its order:
+    reads of the device pool first."""
     for mapping, src, dst in ((out.blocks_to_swap_out, kv, swap_kv), (out.blocks_to_offload, kv, host_kv),
                               (out.blocks_to_swap_in, swap_kv, kv), (out.blocks_to_load, host_kv, kv),
                               (out.blocks_to_copy, kv, kv)):
@@ -54,7 +54,7 @@ def check_tiers(bm: BlockManager, tier: HostKVTier, kv: dict, host_kv: dict, blo
 
 def run_case(model: str, seed: int) -> tuple[int, int]:
     rng = random.Random(seed)
-    config = random_config(rng, model, (12, 40))
+    config = random_config(rng, model, (12, 40), kv_offloading_size=1.0)  # (on; sized below)
     block_size, max_model_len = config.block_size, config.max_model_len
     largest = 2 * -(-max_model_len // block_size)  # a request of n=2 at max_model_len, as check_request allows
     bm = HostTierBlockManager(rng.randint(largest, 2 * largest), block_size, True)
@@ -83,7 +83,9 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
                 params = SamplingParams(max_tokens=rng.randint(1, min(6, max_model_len - len(prompt))), n=n,
                                         ignore_eos=rng.random() < 0.5)
                 priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
-                group = [Sequence(seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
+                group = [Sequence(seq_id + i, prompt, params, block_size, str(seq_id), index=i)
+                         for i in range(n)]
+                scheduler.priorities[str(seq_id)] = priority
                 seq_id += n
                 for s in group:
                     s.group = group
@@ -95,8 +97,7 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
             if all(conv[1] == 10**9 for conv in convs):
                 break
             continue
-        out = scheduler.schedule()
-        tier.take_copies(out)  # (as HostTierScheduler.schedule does)
+        out = scheduler.schedule()  # (HostTierScheduler.schedule: the tier's copies join the plan)
         check_step(out, config)
         move_kv(kv, swap_kv, host_kv, out, block_size)
         write_and_check_kv(kv, out, block_size)

@@ -27,7 +27,8 @@ def make(tiny_models):
 def add(scheduler: Scheduler, seq_id: int, num_tokens: int, priority: int = 0, **params) -> Sequence:
     """A prompt of distinct tokens (no prefix sharing between sequences)."""
     seq = Sequence(seq_id, [100 + 10 * seq_id + i for i in range(num_tokens)], SamplingParams(**params), BS,
-                   priority)
+                   request_id=str(seq_id))
+    scheduler.priorities[seq.request_id] = priority  # (the priority chapter's books: EngineCore.add_request)
     scheduler.add(seq)
     return seq
 

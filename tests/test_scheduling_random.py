@@ -50,12 +50,14 @@ def random_config(rng: random.Random, model: str, max_model_lens: tuple[int, int
         preemption_mode=rng.choice(["recompute", "swap"]), **options))
 
 
-def random_requests(rng: random.Random, config: Config) -> tuple[list[tuple[int, Sequence]], int]:
-    """1-12 requests (arrival step, first sequence) with shared prefixes, n up to 3, priorities; and the most
-    blocks one of them can need (check_request's count), for sizing a pool that is often too small for all."""
+def random_requests(rng: random.Random, config: Config
+                    ) -> tuple[list[tuple[int, Sequence]], int, dict[str, int]]:
+    """1-12 requests (arrival step, first sequence) with shared prefixes, n up to 3; the most blocks one of
+    them can need (check_request's count), for sizing a pool that is often too small for all; and their
+    priorities (request id -> priority, for the priority chapter's books)."""
     block_size, max_model_len = config.block_size, config.max_model_len
     prefixes = [[rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))] for _ in range(3)]
-    requests = []
+    requests, priorities = [], {}
     for seq_id in range(rng.randint(1, 12)):
         prompt = (rng.choice(prefixes) + [rng.randint(3, 9) for _ in range(rng.randint(1, 8))])[: max_model_len - 1]
         room = max_model_len - len(prompt)
@@ -63,23 +65,26 @@ def random_requests(rng: random.Random, config: Config) -> tuple[list[tuple[int,
         params = SamplingParams(max_tokens=rng.randint(-(-room // 2), room), ignore_eos=rng.random() < 0.5,
                                 stop_token_ids=rng.choice([[], [3]]), n=n)
         priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
-        group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(n)]
+        group = [Sequence(4 * seq_id + i, prompt, params, block_size, str(seq_id), index=i) for i in range(n)]
+        priorities[str(seq_id)] = priority
         for seq in group:
             seq.group = group
         requests.append((rng.randint(0, 10), group[0]))
     largest = max(len(seq) // block_size + seq.sampling_params.n * -(-(len(seq) % block_size +  # as check_request
                   seq.sampling_params.max_tokens) // block_size) for _, seq in requests)
-    return sorted(requests, key=lambda r: r[0]), largest
+    return sorted(requests, key=lambda r: r[0]), largest, priorities
 
 
 def random_case(rng: random.Random, model: str, prefix_caching: bool):
     config = random_config(rng, model, (4, 32), enable_prefix_caching=prefix_caching)
-    requests, largest = random_requests(rng, config)
+    requests, largest, priorities = random_requests(rng, config)
     block_size = config.block_size
     bm = BlockManager(rng.randint(largest, 2 * largest), block_size, prefix_caching)  # often too small for all
     swapping = config.scheduler_config.preemption_mode == "swap"
     host = BlockManager(rng.randint(0, 2 * largest), block_size, False) if swapping else None
-    return config, requests, make_scheduler(config, bm, host)
+    scheduler = make_scheduler(config, bm, host)
+    scheduler.priorities.update(priorities)
+    return config, requests, scheduler
 
 
 def check_step(out: SchedulerOutput, config: Config) -> None:

@@ -81,13 +81,15 @@ def random_case(rng: random.Random, model: str, prefix_caching: bool):
     config = random_config(rng, model, (8, 48), enable_prefix_caching=prefix_caching)
     block_size = config.block_size
     window = rng.randint(1, 3 * block_size + 1)
-    requests, largest = random_requests(rng, config)
+    requests, largest, priorities = random_requests(rng, config)
     # Often too small for all (+1: the null block); the swap pool may have no room at all.
     bm = SlidingWindowBlockManager(rng.randint(largest, 2 * largest) + 1, block_size, prefix_caching,
                                    sliding_window=window)
     host = (SlidingWindowBlockManager(rng.randint(0, 2 * largest) + 1, block_size, False, sliding_window=window)
             if config.scheduler_config.preemption_mode == "swap" else None)
-    return config, window, requests, make_scheduler(config, bm, host)
+    scheduler = make_scheduler(config, bm, host)
+    scheduler.priorities.update(priorities)
+    return config, window, requests, scheduler
 
 
 def write_and_check_kv(kv: dict, out: SchedulerOutput, block_size: int, window: int) -> None:
@@ -160,7 +162,7 @@ def long_case(rng: random.Random, model: str, prefix_caching: bool):
                                       max_num_batched_tokens=budget)
             if config.scheduler_config.preemption_mode == "swap" else None)
     prefix = [rng.randint(3, 9) for _ in range(rng.randint(0, config.max_model_len // 2))]
-    requests, refused = [], 0
+    requests, refused, priorities = [], 0, {}
     for seq_id in range(rng.randint(1, 8)):
         prompt = (prefix if rng.random() < 0.5 else []) + [rng.randint(3, 9) for _ in range(rng.randint(1, 40))]
         prompt = prompt[: config.max_model_len - 1]
@@ -175,11 +177,15 @@ def long_case(rng: random.Random, model: str, prefix_caching: bool):
             refused += 1
             continue
         priority = rng.randint(0, 3) if config.scheduler_config.scheduling_policy == "priority" else 0
-        group = [Sequence(4 * seq_id + i, prompt, params, block_size, priority, index=i) for i in range(params.n)]
+        group = [Sequence(4 * seq_id + i, prompt, params, block_size, str(seq_id), index=i)
+                 for i in range(params.n)]
+        priorities[str(seq_id)] = priority
         for seq in group:
             seq.group = group
         requests.append((rng.randint(0, 10), group[0]))
-    return config, window, sorted(requests, key=lambda r: r[0]), refused, make_scheduler(config, bm, host)
+    scheduler = make_scheduler(config, bm, host)
+    scheduler.priorities.update(priorities)
+    return config, window, sorted(requests, key=lambda r: r[0]), refused, scheduler
 
 
 def check_peak(out: SchedulerOutput, scheduler: Scheduler) -> None:

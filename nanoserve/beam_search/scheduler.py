@@ -169,7 +169,7 @@ class BeamScheduler:
     def _fork(self, request: BeamRequest, parent: Sequence) -> Sequence:
         """A new beam, a copy of parent that shares its blocks, next to it in the running queue."""
         child = Sequence(next(request.seq_ids), parent.token_ids, parent.sampling_params, parent.block_size,
-                         parent.priority, parent.request_id)
+                         parent.request_id)
         child.raw_logits, child.group = True, parent.group
         self.scheduler.block_manager.fork(parent, child)
         child.num_computed_tokens, child.num_cached_tokens = parent.num_computed_tokens, parent.num_cached_tokens

@@ -7,7 +7,7 @@ from transformers import AutoTokenizer
 from nanoserve.config import Config, has_tokenizer
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.model_runner import Executor
+from nanoserve.engine.model_runner import Executor, ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
@@ -27,9 +27,10 @@ class EngineCore:
                  executor_class: type[Executor] = Executor,
                  block_manager_class: Callable[..., BlockManager] = BlockManager,
                  scheduler_class: type[Scheduler] = Scheduler,
-                 input_builder_class: type[InputBuilder] = InputBuilder):
+                 input_builder_class: type[InputBuilder] = InputBuilder,
+                 model_runner_class: type[ModelRunner] = ModelRunner):
         self.config, self.seams = config, Seams() if seams is None else seams
-        self.executor = executor_class(config, self.seams)
+        self.executor = executor_class(config, self.seams, model_runner_class)
         try:  # a failed start ends the executor's workers and process group now (parallel/)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache
             self.input_builder = input_builder_class.from_config(
@@ -76,8 +77,8 @@ class EngineCore:
         self.block_manager.check_fits(len(token_ids), params.max_tokens, params.n)
 
     def check_option(self, name: str, value: object) -> None:
-        """A request option that a chapter serves (FEATURE_OPTIONS), set: refused, naming how to
-        turn the chapter on, unless the chapter's subclass takes it (and checks it)."""
+        """A request sets an option a chapter serves (FEATURE_OPTIONS): the core serves none, so it
+        refuses it, saying which option of the engine's turns the chapter on."""
         if name not in self.seams.request_checks:
             raise ValueError(f"{name}: this engine has no feature plugged in for it; "
                              f"{FEATURE_OPTIONS[name]}")
@@ -89,7 +90,7 @@ class EngineCore:
         self.check_request(prompt_token_ids, sampling_params, priority, lora_request)
         request = Request(request_id, prompt_token_ids, sampling_params,
                           block_size=self.config.block_size, seq_ids=self.seq_ids,
-                          tokenizer=self.tokenizer, priority=priority, lora_request=lora_request)
+                          tokenizer=self.tokenizer, lora_request=lora_request)
         # A feature sets a request up for its option (compiles its grammar, off the step path).
         for name, set_up in self.seams.request_options.items():
             if getattr(sampling_params, name) is not None:

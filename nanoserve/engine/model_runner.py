@@ -133,9 +133,10 @@ class Executor:
     The parallel chapter's (parallel/executor.py) runs it on every rank: it overrides `call` (to
     every worker too) and `finish`."""
 
-    def __init__(self, config: Config, seams: Seams):
+    def __init__(self, config: Config, seams: Seams,
+                 model_runner_class: type[ModelRunner] = ModelRunner):
         self.config, self.seams = config, seams
-        self.model_runner = ModelRunner(config, seams=seams)
+        self.model_runner = model_runner_class(config, seams=seams)
 
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """One step: the KV block copies, the forward, sampling. A token id per sampling row, on the
@@ -146,8 +147,10 @@ class Executor:
                inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
         """The step up to the logits: the inputs that ran (with a draft model's drafts) and their
         logits."""
-        for way in ("out", "in"):  # reads of the device pool first
-            self.move_kv(out, way)
+        # KV moved between blocks before the forward: every read of the device pool first, since a
+        # block the step frees may be another copy's destination.
+        self.copy_kv_out(out)
+        self.copy_kv_in(out)
         # the seam before the forward: a draft model fills the lookahead slots (draft=True)
         if self.seams.propose is not None:
             inputs = self.seams.propose(out, inputs, lambda *a: self.call("run_model", *a, True))
@@ -159,14 +162,17 @@ class Executor:
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta,
                                  inputs.logits_rows)
 
-    def move_kv(self, out: SchedulerOutput, way: str) -> None:
-        """The step's KV block copies, before the forward, in two passes: way "out", the copies that
-        read the device pool (a chapter's swap-outs, offloads), then way "in", those that write it
-        (swap-ins, loads), since a block the first free may be the second's destination. A chapter
-        makes its copies, then calls this: the core's copy-on-write copies come last."""
-        for move in self.seams.move_kv:  # the seam: swap's copies
-            move(out, self, way)
-        if way == "in" and out.blocks_to_copy:  # copy-on-write, inside the device pool
+    def copy_kv_out(self, out: SchedulerOutput) -> None:
+        """Copies that read the device pool into another (a chapter's host pool): none in the
+        core."""
+        for move in self.seams.move_kv:
+            move(out, self, "out")
+
+    def copy_kv_in(self, out: SchedulerOutput) -> None:
+        """Copies that write the device pool: here copy-on-write, a shared block's copy."""
+        for move in self.seams.move_kv:
+            move(out, self, "in")
+        if out.blocks_to_copy:
             self.call("copy_blocks", out.blocks_to_copy)
 
     def finish(self, out: SchedulerOutput, inputs: ModelInput | None,

@@ -12,8 +12,7 @@ from nanoserve.engine.stats import SchedulerStats
 
 
 class Scheduler:
-    queue_class = RequestQueue  # first come, first served (the priority chapter sorts)
-    output_class = SchedulerOutput  # the plan (a chapter's scheduler plans into its subclass)
+    output_class = SchedulerOutput  # the plan's record (a chapter may add its own fields)
 
     def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
         self.max_num_seqs = config.max_num_seqs
@@ -22,8 +21,12 @@ class Scheduler:
         self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
         # The engine's seams: admits, sits_out, accept_lookahead.
         self.seams = Seams() if seams is None else seams
-        self.waiting, self.running = self.queue_class(), self.queue_class()
+        self.waiting, self.running = self.new_queue(), self.new_queue()
         self.stats = SchedulerStats()
+
+    def new_queue(self) -> RequestQueue:
+        """A queue of sequences: first come, first served (a chapter may sort it)."""
+        return RequestQueue()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.add(seq)
@@ -42,7 +45,7 @@ class Scheduler:
         self.stats.num_steps += 1
         out = self.output_class()
         self._plan(out)
-        for after_schedule in self.seams.after_schedule:  # e.g. the host tier adds its copies
+        for after_schedule in self.seams.after_schedule:  # hooks that add to the plan
             after_schedule(out)
         self.stats.num_prefill_steps += out.is_prefill
         for row in out.rows:
@@ -91,13 +94,14 @@ class Scheduler:
             budget -= self._schedule_chunk(seq, budget, out)
 
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
-        """The first waiting sequence that may join this step, if it has seats."""
+        """The first waiting sequence that may join this step, if it has seats; one that may not
+        keeps its place, and those behind it may go."""
         seq = next((s for s in self.waiting if self.can_admit(s, out)), None)
         return seq if seq is not None and num_seats(seq) <= self.num_free_seats() else None
 
     def can_admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
-        """May waiting seq join this step? One that may not keeps its place; those behind it may go
-        (LoRA's max_loras; a consumer's request whose KV is still on its way)."""
+        """May waiting seq join the step planned so far (seats aside)? In the core, any may (a
+        chapter may hold one back, e.g. LoRA's max_loras adapters a step)."""
         return all(admits(seq, self, out) for admits in self.seams.admits)
 
     def num_free_seats(self) -> int:  # (seats include the forks to come)
@@ -117,8 +121,7 @@ class Scheduler:
         scheduled: list[Sequence] = []
         while self.running and budget > 0:
             group = self.running.pop_group()
-            # The group sits this step out, e.g. a token it needs is in flight.
-            if any(sits_out(group) for sits_out in self.seams.sits_out):
+            if not self.can_schedule(group):  # it sits this step out
                 scheduled += group
                 continue
             while (sum(map(self.block_manager.num_new_blocks, group))
@@ -134,6 +137,11 @@ class Scheduler:
         # Keep the order for the next step: scheduled ones first, then those the budget left out.
         self.running.extendleft(reversed(scheduled))
         return budget
+
+    def can_schedule(self, group: list[Sequence]) -> bool:
+        """May a running request's sequences compute this step? Always, in the core (a chapter may
+        hold a group back, e.g. while a token it needs is in flight)."""
+        return not any(sits_out(group) for sits_out in self.seams.sits_out)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Make room: seq's request stops running

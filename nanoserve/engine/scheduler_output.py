@@ -26,10 +26,7 @@ class SchedulerOutput:
 
     rows: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Block moves, each a pair: swap-outs (device block, host block), swap-ins (host block, device
-    # block), copy-on-write copies (source, destination).
-    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # Block moves, each a pair: copy-on-write copies (source, destination).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     # seq_id -> lookahead tokens

@@ -35,13 +35,13 @@ class Sequence:
     """One sequence of a request: its tokens, where their KV lives, how far the model has got."""
 
     def __init__(self, seq_id: int, token_ids: list[int], sampling_params: SamplingParams,
-                 block_size: int, priority: int = 0, request_id: str = "", index: int = 0,
+                 block_size: int, request_id: str = "", index: int = 0,
                  lora_request: LoRARequest | None = None):
         self.seq_id = seq_id  # ids count up in arrival order
         self.request_id = request_id  # the caller's name for it
         self.index = index  # which of its request's n
         self.group = [self]  # the request's n sequences: Request.seqs, one list shared by them all
-        self.priority, self.lora_request = priority, lora_request  # records a chapter reads
+        self.lora_request = lora_request  # a record a chapter reads
         self.status = SequenceStatus.WAITING
         self.token_ids, self.num_prompt_tokens = list(token_ids), len(token_ids)
         self.sampling_params, self.block_size = sampling_params, block_size
@@ -122,11 +122,11 @@ class Request:
 
     def __init__(self, request_id: str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, *, block_size: int, seq_ids: Iterator[int],
-                 tokenizer=None, priority: int = 0, lora_request: LoRARequest | None = None):
+                 tokenizer=None, lora_request: LoRARequest | None = None):
         self.request_id, self.sampling_params = request_id, sampling_params
         self.prompt_token_ids = list(prompt_token_ids)  # (beam search restarts from it)
         self.seqs = [Sequence(next(seq_ids), prompt_token_ids, sampling_params, block_size,
-                              priority, request_id, i, lora_request)
+                              request_id, i, lora_request)
                      for i in range(sampling_params.n)]
         for seq in self.seqs:
             seq.group = self.seqs

@@ -198,14 +198,17 @@ class HostTierExecutor(Executor):
         self.kv_offloading = config.kv_offload_config is not None
         self.lost_blocks: set[int] = set()  # host blocks whose offload failed: no KV till one works
 
-    def move_kv(self, out: SchedulerOutput, way: str) -> None:
-        if self.kv_offloading:
-            offloading = way == "out"
-            mapping = out.blocks_to_offload if offloading else out.blocks_to_load
-            if mapping:
-                failed = self.call("apply", copy_tier_blocks, mapping, offloading, self.lost_blocks)
-                (out.failed_offloads if offloading else out.failed_loads).update(failed)
-        super().move_kv(out, way)
+    def copy_kv_out(self, out: SchedulerOutput) -> None:
+        if self.kv_offloading and out.blocks_to_offload:
+            out.failed_offloads = self.call("apply", copy_tier_blocks, out.blocks_to_offload, True,
+                                            self.lost_blocks)
+        super().copy_kv_out(out)
+
+    def copy_kv_in(self, out: SchedulerOutput) -> None:
+        if self.kv_offloading and out.blocks_to_load:
+            out.failed_loads = self.call("apply", copy_tier_blocks, out.blocks_to_load, False,
+                                         self.lost_blocks)
+        super().copy_kv_in(out)
 
 
 class HostTierEngineCore(EngineCore):

@@ -74,10 +74,10 @@ class KVTransferExecutor(Executor):
 
     kv_connector: P2pConnector | None = None  # KVTransferEngineCore's; None: off
 
-    def move_kv(self, out: SchedulerOutput, way: str) -> None:
-        if self.kv_connector is not None and way == "in":
+    def copy_kv_in(self, out: SchedulerOutput) -> None:
+        if self.kv_connector is not None:
             self.kv_connector.start_load_kv(out.kv_connector_metadata)
-        super().move_kv(out, way)
+        super().copy_kv_in(out)
 
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         sampled = super().execute_model(out, inputs)

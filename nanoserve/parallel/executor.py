@@ -57,21 +57,25 @@ def init_process_group(config: Config, rank: int, init_method: str) -> None:
     init_stage_groups(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
 
-def worker_main(config: Config, rank: int, port: int, conn: Connection) -> None:
+def worker_main(config: Config, rank: int, port: int, conn: Connection,
+                runner_class: type[ModelRunner]) -> None:
     """A spawned worker's life: join the group, then serve."""
     init_process_group(config, rank, f"tcp://127.0.0.1:{port}")
-    run_worker(config, rank, conn)
+    run_worker(config, rank, conn, runner_class)
 
 
-def make_runner(config: Config, rank: int = 0, seams: Seams | None = None) -> ModelRunner:
-    """This rank's ModelRunner: with pipeline stages, its stage's part of the model."""
+def make_runner(config: Config, rank: int, runner_class: type[ModelRunner],
+                seams: Seams | None = None) -> ModelRunner:
+    """This rank's ModelRunner (the engine's class: the core's, or the chapters'): with pipeline
+    stages, its stage's part of the model."""
     stages = config.parallel_config.pipeline_parallel_size > 1
-    return ModelRunner(config, rank, seams, PipelineStageModel if stages else None)
+    return runner_class(config, rank, seams, PipelineStageModel if stages else None)
 
 
-def run_worker(config: Config, rank: int, conn: Connection) -> None:
-    """Build this rank's part of the model, then run what rank 0 sends until it closes the connection; exit."""
-    runner = make_runner(config, rank)
+def run_worker(config: Config, rank: int, conn: Connection, runner_class: type[ModelRunner]) -> None:
+    """Build this rank's part of the model, then run what rank 0 sends until it closes the
+    connection; exit."""
+    runner = make_runner(config, rank, runner_class)
     gc.freeze()  # as LLM.generate: the model and torch are left out of full collections (until the process ends)
     try:
         while message := conn.recv_bytes():  # b"": rank 0 is shutting down
@@ -108,27 +112,31 @@ def shutdown(procs: list[mp.Process], conns: list[Connection], num_threads: int,
 
 class MultiprocExecutor(Executor):
     """Rank 0's handle on every rank: starts ranks 1..N-1 (spawn, or joins torchrun's), then builds its own
-    ModelRunner (`model_runner`); runs each step on all of them; stops them."""
+    ModelRunner (`model_runner`); runs each step on all of them; stops them. With one rank (P x T = 1, no
+    torchrun) it is the core's Executor."""
 
-    def __init__(self, config: Config, seams: Seams):
-        self.config, self.seams = config, seams
+    def __init__(self, config: Config, seams: Seams, model_runner_class: type[ModelRunner] = ModelRunner):
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
-        self.shutdown = lambda: None
+        self.failed: str | None = None  # why this engine cannot run any more, once a step has failed
+        stages = config.parallel_config.pipeline_parallel_size > 1
         # Pipeline stages: rank 0 takes the logits and samples in this thread (`submit`), behind the launches;
         # it ends with the Executor (a dead engine's next step then fails in its launch, saying why).
-        stages = config.parallel_config.pipeline_parallel_size > 1
         self.receiver = ThreadPoolExecutor(1, "nanoserve-logits") if stages else None
-        self.failed: str | None = None  # why this engine cannot run any more, once a step has failed
         # With pipeline stages the launch thread and the logits thread may both see a dead worker and stop the rest:
         # one reaps at a time (a second waitpid on the same pid gets ECHILD, and the exit code would read None).
         self.reaping = threading.Lock()
+        if world_size(config) == 1 and not launched_by_torchrun():
+            super().__init__(config, seams, model_runner_class)
+            return
+        self.config, self.seams, self.runner_class = config, seams, model_runner_class
+        self.shutdown = lambda: None
         try:
             if launched_by_torchrun():
                 self._join_torchrun(config)
             else:
                 self._start_workers(config)
-            self.model_runner = make_runner(config, seams=seams)
+            self.model_runner = make_runner(config, 0, model_runner_class, seams)
         except BaseException as error:
             # A rank died, a collective timed out, a check failed after init_process_group: end the workers (don't
             # leave them waiting for a rank 0 that will never come) and leave the process group now, not when the
@@ -149,7 +157,8 @@ class MultiprocExecutor(Executor):
         ctx = mp.get_context("spawn")
         for rank in range(1, world_size(config)):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(config, rank, port, reader), daemon=True)
+            proc = ctx.Process(target=worker_main, args=(config, rank, port, reader, self.runner_class),
+                               daemon=True)
             proc.start()
             reader.close()  # the worker has its copy: once it dies, writing fails instead of filling a buffer
             self.procs.append(proc)
@@ -163,7 +172,7 @@ class MultiprocExecutor(Executor):
         init_process_group(config, rank, "env://")
         self.conns = connect_ranks(rank, world_size(config))
         if rank != 0:
-            run_worker(config, rank, self.conns[0])
+            run_worker(config, rank, self.conns[0], self.runner_class)
         closing = start_watching(self.conns)
         self.shutdown = weakref.finalize(self, shutdown, [], self.conns, torch.get_num_threads(), self.reaping, closing)
 

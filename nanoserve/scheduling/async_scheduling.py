@@ -8,12 +8,12 @@ chapter writes N's sampled id, still on the device, into N+1's input row just be
 host). A sequence whose newest token a feature needs to plan with (a grammar's mask, drafts) sits N+1 out.
 With P pipeline stages, P steps are in flight, each admitting at most 1/P of the requests (docs/parallelism.md).
 """
-import weakref
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.input_batch import ModelInput, to_device
 from nanoserve.engine.output_processor import EngineCoreOutput
@@ -39,24 +39,59 @@ class LaunchedStep(Future):
         return self.ids
 
 
+class AsyncScheduler(Scheduler):
+    """The scheduler's part (vLLM's AsyncScheduler): a request whose newest token is still in flight
+    sits the planned step out when that token is needed to plan it, and with P pipeline stages each
+    step admits at most 1/P of the requests. Without async scheduling no token is ever in flight
+    when a step is planned."""
+
+    def __init__(self, config: Config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        # batches the stages hold at once (1 without stages); 0: no async scheduling
+        self.depth = config.parallel_config.pipeline_parallel_size * bool(
+            config.scheduler_config.async_scheduling)
+
+    def can_schedule(self, group: list[Sequence]) -> bool:
+        """A group whose newest token is in flight waits for it when planning needs that token (a
+        grammar's next mask, drafts proposed from it), or with pipeline stages, where its batch could
+        not enter the first stage before the one in flight left the last (V1's scheduled_req_ids;
+        docs/parallelism.md)."""
+        in_flight = [s for s in group if s.num_output_placeholders]
+        if in_flight and (self.depth > 1 or any(map(self.needs_newest_token, in_flight))):
+            return False
+        return super().can_schedule(group)
+
+    def needs_newest_token(self, seq: Sequence) -> bool:
+        """Is seq's newest token needed to plan its next step? Not by the core; a chapter that plans
+        from it says so."""
+        return any(needs(seq) for needs in self.seams.needs_newest_token)
+
+    def can_admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
+        """With P pipeline stages in flight a step admits at most 1/P of the requests (counting this
+        step's so far), leaving some for the others."""
+        if self.depth > 1:
+            share = -(-sum(map(num_seats, [*self.running, *self.waiting])) // self.depth)
+            if num_seats(seq) > share - sum(map(num_seats, out.seqs)):
+                return False
+        return super().can_admit(seq, out)
+
+
 class BatchQueueEngineCore(EngineCore):
     """The EngineCore with vLLM's batch queue: (plan, future) of the steps in flight (num_batches_in_flight).
-    On CPU or with stages a thread runs the forwards (not with a draft model: it reads what planning changes)."""
+    On CPU or with stages a thread runs the forwards (not with a draft model: it reads what planning changes).
+    Without async scheduling it is the core's EngineCore."""
 
     def __init__(self, config, seams=None, **parts):
         super().__init__(config, seams, **parts)
+        self.async_scheduling = config.scheduler_config.async_scheduling
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.forward_thread = None
         depth = config.parallel_config.pipeline_parallel_size  # batches the stages hold at once
-        if (config.device == "cpu" or depth > 1) and config.draft_hf_config is None:
+        if (self.async_scheduling and (config.device == "cpu" or depth > 1)
+                and config.draft_hf_config is None):
             self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
         # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
-        weak, needs = weakref.proxy(self), self.seams.needs_newest_token  # (the seams must not keep the engine alive)
-        self.seams.before_forward.insert(0, lambda out, inputs: weak.fill_placeholders(out, inputs))
-        self.seams.sits_out.append(lambda group: waits_for_newest_token(group, needs, depth))
-        if depth > 1:
-            self.seams.admits.append(lambda seq, scheduler, out: fits_stage_share(seq, scheduler, out, depth))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.batch_queue)
@@ -65,7 +100,7 @@ class BatchQueueEngineCore(EngineCore):
         return [out for out, _ in self.batch_queue]
 
     def step(self) -> list[EngineCoreOutput]:
-        return self.step_with_batch_queue()
+        return self.step_with_batch_queue() if self.async_scheduling else super().step()
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
         """Plan step N+1 and launch it while step N's forward runs, then wait for N and take in its output."""
@@ -101,14 +136,16 @@ class BatchQueueEngineCore(EngineCore):
 
     def _execute(self, execute_model, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """The executor's execute_model, keeping the sampled ids (on the device) for the next step's placeholders."""
+        if inputs is not None:
+            self.fill_placeholders(inputs)
         sampled = execute_model(out, inputs)
         self.prev_sampled = None if inputs is None else (
             {seq_id: row for row, seq_id in enumerate(inputs.sample_seq_ids)}, sampled)
         return sampled
 
     @torch.inference_mode()
-    def fill_placeholders(self, out: SchedulerOutput, inputs: ModelInput) -> None:
-        """The before_forward seam: write the previous step's sampled ids, still on the device, into this step's
+    def fill_placeholders(self, inputs: ModelInput) -> None:
+        """Before the forward: write the previous step's sampled ids, still on the device, into this step's
         placeholder rows of input_ids. Steps run one at a time, in planning order."""
         prev, self.prev_sampled = self.prev_sampled, None
         if prev is None:
@@ -130,18 +167,3 @@ class BatchQueueEngineCore(EngineCore):
         if self.forward_thread is not None:
             self.forward_thread.shutdown()
         super().shutdown()
-
-
-def waits_for_newest_token(group: list[Sequence], needs_newest_token: list, depth: int) -> bool:
-    """The sits_out seam: a group whose newest token is in flight waits for it when a feature needs that token to
-    plan (a grammar's next mask, drafts proposed from it), or with pipeline stages, where its batch could not
-    enter the first stage before the one in flight left the last (V1's scheduled_req_ids; docs/parallelism.md)."""
-    in_flight = [s for s in group if s.num_output_placeholders]
-    return bool(in_flight) and (depth > 1 or any(needs(s) for needs in needs_newest_token for s in in_flight))
-
-
-def fits_stage_share(seq: Sequence, scheduler: Scheduler, out: SchedulerOutput, depth: int) -> bool:
-    """The admits seam with P pipeline stages in flight: a step admits at most 1/P of the requests (counting this
-    step's so far), leaving some for the others."""
-    share = -(-sum(map(num_seats, [*scheduler.running, *scheduler.waiting])) // depth)
-    return num_seats(seq) <= share - sum(map(num_seats, out.seqs))

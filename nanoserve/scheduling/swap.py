@@ -8,9 +8,12 @@ core's Scheduler with a third queue, `swapped`: a request whose KV the host pool
 core; swapped requests come back before any new prompt is admitted (V0's _schedule_swapped).
 """
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
+from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.model_runner import Executor
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
@@ -39,18 +42,31 @@ def live_blocks(seqs: list[Sequence], pool: BlockManager) -> set[int]:
     return {b for seq in seqs for b in seq.block_table} - {pool.null_block}
 
 
+@dataclass
+class SwapSchedulerOutput(SchedulerOutput):
+    """The plan, with the step's swaps: (device block, host block) out, (host block, device block)
+    in."""
+
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+
+
 class SwapScheduler(Scheduler):
+    """The scheduler with preemption_mode="swap"; with "recompute", the core's."""
+
+    output_class = SwapSchedulerOutput
     host_block_manager: BlockManager  # the swap pool's books, in host memory (plug_in sizes it)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.swapped: RequestQueue = self.queue_class()
+    def __init__(self, config: Config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        self.swap = config.scheduler_config.preemption_mode == "swap"
+        self.swapped: RequestQueue = self.new_queue()
 
     def is_finished(self) -> bool:
         return super().is_finished() and not self.swapped
 
     def queues(self) -> dict[str, RequestQueue]:
-        return {**super().queues(), "swapped": self.swapped}
+        return {**super().queues(), "swapped": self.swapped} if self.swap else super().queues()
 
     def _next_waiting(self, out: SchedulerOutput) -> Sequence | None:
         """No new prompt while a request is swapped out (V0): it comes back first."""
@@ -65,7 +81,8 @@ class SwapScheduler(Scheduler):
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Copy the KV of seq's request to the host pool, if it has room; else recompute (the core's preempt)."""
         group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
-        if self.host_block_manager.num_free_blocks < len(live_blocks(group, self.block_manager)):
+        if not self.swap or (self.host_block_manager.num_free_blocks
+                             < len(live_blocks(group, self.block_manager))):
             return super().preempt(seq, out)
         self._take_running(seq, out)
         out.blocks_to_swap_out += move_blocks(group, self.block_manager, self.host_block_manager)
@@ -104,19 +121,25 @@ class SwapScheduler(Scheduler):
         return super().home(seq)
 
 
-def move_swapped_kv(out: SchedulerOutput, executor, way: str) -> None:
-    """The move_kv seam: the step's swap-outs (device -> host), then its swap-ins, on every rank."""
-    mapping, src, dst = (out.blocks_to_swap_out, "device", "swap_space") if way == "out" else \
-        (out.blocks_to_swap_in, "swap_space", "device")
-    if mapping:
-        executor.call("apply", copy_host_blocks, mapping, src, dst)
+class SwapExecutor(Executor):
+    """Runs the step's swaps on every rank before the forward: swap-outs read the device pool,
+    swap-ins write it."""
+
+    def copy_kv_out(self, out: SwapSchedulerOutput) -> None:
+        if out.blocks_to_swap_out:
+            self.call("apply", copy_host_blocks, out.blocks_to_swap_out, "device", "swap_space")
+        super().copy_kv_out(out)
+
+    def copy_kv_in(self, out: SwapSchedulerOutput) -> None:
+        if out.blocks_to_swap_in:
+            self.call("apply", copy_host_blocks, out.blocks_to_swap_in, "swap_space", "device")
+        super().copy_kv_in(out)
 
 
 def plug_in(engine: EngineCore, block_manager_class: Callable[..., BlockManager]) -> None:
-    """Every rank allocates its host pool (swap_space GiB); the scheduler (a SwapScheduler, chapters.py) keeps
-    its books, in a pool of the device pool's class; the step's copies run at the move_kv seam."""
+    """Every rank allocates its host pool (swap_space GiB); the scheduler keeps its books, in a pool
+    of the device pool's class."""
     config, scheduler = engine.config, engine.scheduler
     num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space",
                                       config.scheduler_config.swap_space)
     scheduler.host_block_manager = block_manager_class(num_blocks, config.block_size, enable_prefix_caching=False)
-    engine.seams.move_kv.append(move_swapped_kv)
