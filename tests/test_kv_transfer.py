@@ -171,6 +171,12 @@ def test_bad_config(tiny_models, options, message):
         LLM(tiny_models["qwen3"], kv_transfer_config=options)
 
 
+def test_tensor_parallel_is_refused(tiny_models):
+    """Each rank would have to send its own share of the KV: refused before any rank starts."""
+    with pytest.raises(ValueError, match="kv_transfer_config: needs tensor_parallel_size = "):
+        LLM(tiny_models["qwen3"], tensor_parallel_size=2, kv_transfer_config=config("kv_producer", free_port()))
+
+
 def test_bad_params(tiny_models):
     path = tiny_models["qwen3"]
     producer, consumer = make_pair(path)
