@@ -22,6 +22,7 @@ from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.seams import Seams
+from nanoserve.engine.sequence import Sequence
 from nanoserve.kv_offload import (
     HostTierBlockManager,
     HostTierEngineCore,
@@ -88,7 +89,14 @@ class ChaptersExecutor(KVTransferExecutor, HostTierExecutor, SwapExecutor, Multi
 
 class ChaptersEngineCore(KVTransferEngineCore, HostTierEngineCore, PriorityEngineCore,
                          BatchQueueEngineCore):
-    pass
+    def seqs_holding(self, block_ids: set[int]) -> list[Sequence]:
+        """Where the host tier meets swap and async scheduling: a step planned since the one whose
+        loads failed may have swapped a holder of their blocks out, the bad KV with it; its
+        swap-outs name the holder's blocks in the swap pool."""
+        moved = {host for planned, _ in self.batch_queue
+                 for device, host in planned.blocks_to_swap_out if device in block_ids}
+        return super().seqs_holding(block_ids) + [
+            seq for seq in self.scheduler.swapped if not moved.isdisjoint(seq.block_table)]
 
 
 def asks_for_chapters(config: Config) -> bool:

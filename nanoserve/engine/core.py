@@ -120,11 +120,6 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
-    def steps_in_flight(self) -> list[SchedulerOutput]:
-        """The plans of the steps planned but not yet taken in: here none, as each step is taken
-        in before the next is planned (async scheduling plans ahead)."""
-        return []
-
     # ---- a step ------------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         """Schedule, run the model, take in its output: one step, the forward in between."""

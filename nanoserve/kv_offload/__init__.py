@@ -245,10 +245,9 @@ class HostTierEngineCore(EngineCore):
             return []
         invalid = {block_id for _, block_id in out.failed_loads}
         self.block_manager.uncache(invalid)
-        seqs = [seq for seq in self.scheduler.running if not invalid.isdisjoint(seq.block_table)]
-        # Async scheduling: a step planned since may have swapped a holder out, its bad KV with it.
-        swapped_out = {host for planned in self.steps_in_flight()
-                       for device, host in planned.blocks_to_swap_out if device in invalid}
-        seqs += [seq for seq in self.scheduler.queues().get("swapped", ())
-                 if not swapped_out.isdisjoint(seq.block_table)]
-        return self.fail(seqs, next(iter(out.failed_loads.values())))
+        return self.fail(self.seqs_holding(invalid), next(iter(out.failed_loads.values())))
+
+    def seqs_holding(self, block_ids: set[int]) -> list[Sequence]:
+        """The sequences whose KV is in these device blocks: the running ones holding them (where
+        swap and async scheduling meet the tier, chapters.py adds those swapped out since)."""
+        return [seq for seq in self.scheduler.running if not block_ids.isdisjoint(seq.block_table)]

@@ -96,9 +96,6 @@ class BatchQueueEngineCore(EngineCore):
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests or self.batch_queue)
 
-    def steps_in_flight(self) -> list[SchedulerOutput]:
-        return [out for out, _ in self.batch_queue]
-
     def step(self) -> list[EngineCoreOutput]:
         return self.step_with_batch_queue() if self.async_scheduling else super().step()
 
