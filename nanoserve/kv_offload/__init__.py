@@ -198,13 +198,13 @@ class HostTierExecutor(Executor):
         self.kv_offloading = config.kv_offload_config is not None
         self.lost_blocks: set[int] = set()  # host blocks whose offload failed: no KV till one works
 
-    def copy_kv_out(self, out: SchedulerOutput) -> None:
+    def copy_kv_out(self, out: HostTierSchedulerOutput) -> None:
         if self.kv_offloading and out.blocks_to_offload:
             out.failed_offloads = self.call("apply", copy_tier_blocks, out.blocks_to_offload, True,
                                             self.lost_blocks)
         super().copy_kv_out(out)
 
-    def copy_kv_in(self, out: SchedulerOutput) -> None:
+    def copy_kv_in(self, out: HostTierSchedulerOutput) -> None:
         if self.kv_offloading and out.blocks_to_load:
             out.failed_loads = self.call("apply", copy_tier_blocks, out.blocks_to_load, False,
                                          self.lost_blocks)
@@ -230,7 +230,7 @@ class HostTierEngineCore(EngineCore):
         self.host_tier = HostKVTier(num_blocks, self.scheduler.stats)
         self.block_manager.host_tier = self.host_tier
 
-    def _update_from_output(self, out: SchedulerOutput,
+    def _update_from_output(self, out: HostTierSchedulerOutput,
                             token_ids: list[int]) -> list[EngineCoreOutput]:
         if self.host_tier is None:
             return super()._update_from_output(out, token_ids)

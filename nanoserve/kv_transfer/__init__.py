@@ -9,18 +9,17 @@ config.kv_transfer_config is set. KVTransferEngineCore makes the connector, chec
 request's kv_transfer_params; KVTransferScheduler holds a consumer's request back until its blocks
 came, and puts the step's loads and saves in its plan (a KVTransferSchedulerOutput);
 KVTransferBlockManager counts the received KV as computed once a prompt has its blocks;
-KVTransferExecutor writes it into the consumer's blocks before the forward, and copies the
-producer's out after it. The KV travels over a torch.distributed group of the two engines (pipe.py).
+KVTransferExecutor writes it into the consumer's blocks before the forward; the producer's engine
+core copies its prompts' KV out after each step. The KV travels over a torch.distributed group of
+the two engines (pipe.py).
 """
 from dataclasses import dataclass, field
-
-import torch
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput
 from nanoserve.engine.model_runner import Executor
+from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler
 from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
@@ -69,21 +68,15 @@ class KVTransferScheduler(Scheduler):
 
 
 class KVTransferExecutor(Executor):
-    """The connector's worker side: loads with the copies that write the device pool, saves after
-    the forward."""
+    """The connector's worker side: the received KV loaded with the copies that write the device
+    pool."""
 
     kv_connector: P2pConnector | None = None  # KVTransferEngineCore's; None: off
 
-    def copy_kv_in(self, out: SchedulerOutput) -> None:
+    def copy_kv_in(self, out: KVTransferSchedulerOutput) -> None:
         if self.kv_connector is not None:
             self.kv_connector.start_load_kv(out.kv_connector_metadata)
         super().copy_kv_in(out)
-
-    def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
-        sampled = super().execute_model(out, inputs)
-        if self.kv_connector is not None:  # (a step that raised saves nothing)
-            self.kv_connector.wait_for_save(out.kv_connector_metadata)
-        return sampled
 
 
 class KVTransferEngineCore(EngineCore):
@@ -111,6 +104,16 @@ class KVTransferEngineCore(EngineCore):
         if name == "kv_transfer_params" and self.kv_connector is not None:
             return self.kv_connector.check_request(value)
         super().check_option(name, value)
+
+    def _update_from_output(self, out: KVTransferSchedulerOutput,
+                            token_ids: list[int]) -> list[EngineCoreOutput]:
+        """A step that succeeded: the producer saves the prompts it completed. (vLLM's worker saves
+        at the end of its forward, in its own process; here, once the step's output is in, the host
+        never waits for the forward to save.)"""
+        outputs = super()._update_from_output(out, token_ids)
+        if self.kv_connector is not None:
+            self.kv_connector.wait_for_save(out.kv_connector_metadata)
+        return outputs
 
     def add(self, request: Request) -> None:
         """A consumer's request starts pulling its prompt's KV as soon as it is queued."""

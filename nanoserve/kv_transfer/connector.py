@@ -4,7 +4,7 @@ and worker do.
 
 The producer (prefill) side: a request with kv_transfer_params {"do_remote_decode": true} computes
 its prompt as any other; in the step that completes the prompt, `build_connector_meta` names its
-blocks and their chained hashes, and after the step's forward `wait_for_save` copies their KV into
+blocks and their chained hashes, and once the step is done `wait_for_save` copies their KV into
 the KVStore (pipe.py), so the blocks are freed as usual (vLLM's request_finished, which holds a
 finished request's blocks until they are sent, is not needed).
 
@@ -196,7 +196,7 @@ class P2pConnector:
             del self.pulls[request_id]
         return meta
 
-    # ---- the worker's side (KVTransferExecutor) ------------------------------------------------
+    # ---- the worker's side --------------------------------------------------------------------
     def start_load_kv(self, meta: ConnectorMetadata) -> None:
         """Before the forward, with the copies that write the device pool: the received KV into its
         blocks."""
@@ -204,8 +204,8 @@ class P2pConnector:
             self.kv_cache[:, :, block_id] = kv.to(self.kv_cache.device)
 
     def wait_for_save(self, meta: ConnectorMetadata) -> None:
-        """After the forward (only one that succeeded): the KV of the prompts it completed, into the
-        KVStore."""
+        """After a step that succeeded: the KV of the prompts it completed, into the KVStore. Their
+        blocks may be free by now, but none is written before the next step is planned."""
         for block_hash, block_id in meta.saves:
             self.store.put(block_hash, self.kv_cache[:, :, block_id].to("cpu", copy=True))
             self.stats.num_saved_blocks += 1
