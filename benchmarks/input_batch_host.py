@@ -19,8 +19,8 @@ import nanoserve  # noqa: E402,F401  first: its thread defaults precede torch's 
 import torch  # noqa: E402
 
 from nanoserve.engine.block_manager import BlockManager  # noqa: E402
-from nanoserve.engine.input_batch import InputBuilder  # noqa: E402
-from nanoserve.engine.scheduler_output import SchedulerOutput  # noqa: E402
+from nanoserve.engine.model_runner import InputBuilder  # noqa: E402
+from nanoserve.engine.scheduler import SchedulerOutput  # noqa: E402
 from nanoserve.engine.sequence import Sequence  # noqa: E402
 from nanoserve.persistent_batch import InputBatch  # noqa: E402
 from nanoserve.sampling_params import SamplingParams  # noqa: E402

@@ -43,7 +43,7 @@ def tiny_qwen3(path: str) -> str:
 def measure(path: str, prompts: list[list[int]]) -> dict[str, float]:
     greedy, outputs, scores = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True), {}, {}
     for kv in ("auto", "fp8"):
-        llm = LLM(path, dtype="float32", kv_cache_dtype=kv)
+        llm = LLM(path, dtype="float32", kv_cache_dtype=kv, max_logprobs=1)
         outputs[kv] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
         # "auto"'s continuation scored under this dtype: the logprob and rank of each of its greedy tokens
         forced = [p + out for p, out in zip(prompts, outputs["auto"])]  # ("auto" runs first)

@@ -44,7 +44,7 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
     results = {}
     for name, options in (("without", {}), ("with ngram", {"speculative_config": spec})):
-        llm = LLM(args.model, max_model_len=512, **options)
+        llm = LLM(args.model, max_model_len=512, enable_structured_outputs=True, **options)
         run(llm, prompts[:2], params)  # warm-up
         spec_stats = llm.stats.spec_decoding
         before = (llm.stats.num_steps, spec_stats.num_draft_tokens, spec_stats.num_accepted_tokens)

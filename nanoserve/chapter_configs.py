@@ -9,6 +9,7 @@ their own modules.
 
 A leaf module (no torch), like speculative_config.py, so that config.py can import it.
 """
+import importlib.util
 import os
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -108,6 +109,47 @@ class ObservabilityConfig:
     trace: bool = False  # record every step in llm.trace (tools/trace.py prints and plots it)
 
 
+# The chapters a request asks for. vLLM serves them on every engine; nanoserve's LLM(...) builds
+# them only when asked, so that a plain engine runs the core alone. `nanoserve serve` asks for all
+# three (serving/cli.py's SERVE_DEFAULTS), so the OpenAI API serves them as vLLM's does.
+@dataclass
+class LogprobsConfig:
+    """Logprobs (nanoserve/logprobs.py; SamplingParams.logprobs and prompt_logprobs). vLLM keeps
+    max_logprobs on its ModelConfig, default 20; nanoserve's default is 0, the chapter off (a
+    request that asks is refused, naming the option). Config holds one only with max_logprobs > 0.
+    """
+
+    max_logprobs: int = 0  # the most logprobs / prompt_logprobs a request may ask; 0: none (off)
+
+    def __post_init__(self) -> None:
+        check_limits(self, (("max_logprobs", Integral, lambda v: v >= 0, ">= 0 (0: off)"),))
+
+
+@dataclass
+class StructuredOutputsConfig:
+    """Structured outputs (nanoserve/structured_output/; SamplingParams.structured_outputs), with
+    xgrammar, the one backend here (vLLM's StructuredOutputsConfig picks among several: its
+    `backend`). Config holds one only with enable_structured_outputs=True."""
+
+    def __post_init__(self) -> None:
+        if importlib.util.find_spec("xgrammar") is None:  # (an optional extra)
+            raise ValueError("enable_structured_outputs needs xgrammar: "
+                             "pip install 'nanoserve[structured]'")
+
+
+@dataclass
+class BeamSearchConfig:
+    """Beam search (nanoserve/beam_search/; LLM.beam_search). vLLM has no such option: its beam
+    search runs in the front end, as plain requests; nanoserve's runs in the engine, which picks
+    each step's beams itself. Config holds one only with enable_beam_search=True."""
+
+
 # The flat options that turn on a record that is otherwise None, with their help (vLLM's
 # enable_lora: LoRAConfig has no field for it, its presence is the switch).
-SWITCHES = {"enable_lora": "serve LoRA adapters (generate(..., lora_request=...); nanoserve/lora/)"}
+SWITCHES = {
+    "enable_lora": "serve LoRA adapters (generate(..., lora_request=...); nanoserve/lora/)",
+    "enable_structured_outputs": "serve SamplingParams.structured_outputs (a JSON schema, regex, "
+    "choice or grammar; nanoserve/structured_output/, needs xgrammar)",
+    "enable_beam_search": "serve beam search (LLM.beam_search, the server's use_beam_search; "
+    "nanoserve/beam_search/)",
+}

@@ -6,9 +6,10 @@ part of the engine (`ChaptersScheduler` ...), whose bases list them in the order
 (each calls `super()`, down to the core's). `build_engine(config)` builds the core's classes alone
 when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py checks that
 it runs the core alone), else the composites. Chapters that still plug into the seams
-(engine/seams.py) are handed them after the engine is built.
+(engine/seams.py) are handed them after the engine is built, those a request asks for too (logprobs
+with max_logprobs > 0, structured outputs and beam search with their enable_ options): a request
+asking for one the engine lacks is refused, naming the option.
 """
-import weakref
 from dataclasses import dataclass
 from functools import partial
 
@@ -19,8 +20,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import RequestState
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv_offload import (
@@ -37,6 +37,7 @@ from nanoserve.kv_transfer import (
     KVTransferScheduler,
     KVTransferSchedulerOutput,
 )
+from nanoserve.lora.engine import LoRAEngineCore, LoRAExecutor, LoRAModelRunner, LoRAScheduler
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.parallel.executor import MultiprocExecutor
@@ -59,7 +60,7 @@ class ChaptersSchedulerOutput(KVTransferSchedulerOutput, HostTierSchedulerOutput
 
 
 class ChaptersScheduler(KVTransferScheduler, HostTierScheduler, AsyncScheduler, PriorityScheduler,
-                        SwapScheduler, Scheduler):
+                        SwapScheduler, LoRAScheduler, Scheduler):
     output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -79,16 +80,17 @@ class ChaptersInputBuilder(InputBatch):
     pass
 
 
-class ChaptersModelRunner(ModelRunner):
+class ChaptersModelRunner(LoRAModelRunner, ModelRunner):
     pass
 
 
-class ChaptersExecutor(KVTransferExecutor, HostTierExecutor, SwapExecutor, MultiprocExecutor):
+class ChaptersExecutor(KVTransferExecutor, HostTierExecutor, SwapExecutor, LoRAExecutor,
+                       MultiprocExecutor):
     pass
 
 
 class ChaptersEngineCore(KVTransferEngineCore, HostTierEngineCore, PriorityEngineCore,
-                         BatchQueueEngineCore):
+                         LoRAEngineCore, BatchQueueEngineCore):
     def seqs_holding(self, block_ids: set[int]) -> list[Sequence]:
         """Where the host tier meets swap and async scheduling: a step planned since the one whose
         loads failed may have swapped a holder of their blocks out, the bad KV with it; its
@@ -137,51 +139,51 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.spec_decode import plug_in
 
         plug_in(engine)
-    if config.lora_config is not None:  # LoRA adapters: lora/
-        from nanoserve.lora import LoRAManager
-
-        LoRAManager.plug_in(engine)
     if config.observability_config.trace:  # step records: step_records.py (the dashboard: its own)
         step_recorder(engine, keep=True)
-    # (A weak reference: the engine owns its seams, and a strong one back would keep `del llm` from freeing it,
-    # and from stopping tensor-parallel workers, at once.)
-    weak = weakref.proxy(engine)
-    seams.request_checks["structured_outputs"] = lambda spec: None  # (SamplingParams checked it; compiled at add)
-    seams.request_options["structured_outputs"] = lambda request: structured_output_manager(weak).add_request(request)
-    for name in ("logprobs", "prompt_logprobs"):  # logprobs.py: plugged in with the first request that asks
-        seams.request_checks[name] = partial(check_num_logprobs, name, config.hf_config.vocab_size)
-        seams.request_options[name] = lambda request: logprobs_feature(weak)
+    # The chapters a request asks for: plugged in when the config asks; a request asking for one the
+    # engine lacks is refused by name (EngineCore.check_request, sampling_params.FEATURE_OPTIONS).
+    max_logprobs = 0 if config.logprobs_config is None else config.logprobs_config.max_logprobs
+    for name in ("logprobs", "prompt_logprobs"):  # checked on or off: the refusal says how much
+        seams.request_checks[name] = partial(check_num_logprobs, name, max_logprobs,
+                                             config.hf_config.vocab_size)
+    if max_logprobs:  # logprobs: logprobs.py
+        from nanoserve.logprobs import plug_in as plug_in_logprobs
 
-
-def check_num_logprobs(name: str, vocab_size: int, k: int) -> None:
-    if k > vocab_size:
-        raise ValueError(f"{name}: got {k}, the vocabulary has {vocab_size} tokens")
-
-
-def logprobs_feature(engine: EngineCore) -> None:
-    """The logprobs chapter (logprobs.py), plugged into the engine's seams with the first request that asks."""
-    if "logprobs" not in engine.seams.features:
-        from nanoserve.logprobs import plug_in
-
-        plug_in(engine)
-
-
-def structured_output_manager(engine: EngineCore):
-    """The engine's StructuredOutputManager, plugged into its seams with the first structured request."""
-    if "structured_outputs" not in engine.seams.features:
+        plug_in_logprobs(engine)
+    if config.structured_outputs_config is not None:  # structured outputs: structured_output/
         from nanoserve.structured_output.manager import StructuredOutputManager
 
-        StructuredOutputManager.plug_in(engine)
-    return engine.seams.features["structured_outputs"]
-
-
-def beam_search_feature(engine: EngineCore):
-    """The engine's BeamScheduler, plugged into its seams with the first beam search."""
-    if "beam_search" not in engine.seams.features:
+        manager = StructuredOutputManager.plug_in(engine)
+        seams.request_checks["structured_outputs"] = lambda spec: None  # (checked when made)
+        seams.request_options["structured_outputs"] = manager.add_request  # compiled at add
+    if config.beam_search_config is not None:  # beam search: beam_search/
         from nanoserve.beam_search.scheduler import BeamScheduler
 
         BeamScheduler.plug_in(engine)
-    return engine.seams.features["beam_search"]
+
+
+def check_num_logprobs(name: str, max_logprobs: int, vocab_size: int, k: int) -> None:
+    """What no engine could serve, then vLLM's rule: a request asks for at most max_logprobs (here
+    0 is the chapter off, so even k = 0, the sampled token's logprob alone, needs 1)."""
+    if k > vocab_size:
+        raise ValueError(f"{name}: got {k}, the vocabulary has {vocab_size} tokens")
+    if k > max_logprobs:
+        raise ValueError(f"{name}: {k} exceeds max_logprobs ({max_logprobs}); "
+                         f"pass LLM(..., max_logprobs={k}) or more")
+    if max_logprobs == 0:
+        raise ValueError(f"{name}: this engine has no logprobs (max_logprobs=0); "
+                         "pass LLM(..., max_logprobs=1) or more")
+
+
+def beam_search_feature(engine: EngineCore):
+    """The engine's BeamScheduler, plugged in with enable_beam_search=True; without it, a ValueError
+    naming that option, before anything is queued."""
+    beams = engine.seams.features.get("beam_search")
+    if beams is None:
+        raise ValueError("beam search: this engine was built without it; pass "
+                         "LLM(..., enable_beam_search=True)")
+    return beams
 
 
 class LLM(llm.LLM):

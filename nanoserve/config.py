@@ -8,12 +8,15 @@ from transformers import AutoConfig, AutoTokenizer, GenerationConfig, Pretrained
 
 from nanoserve.chapter_configs import (
     SWITCHES,
+    BeamSearchConfig,
     KVOffloadConfig,
+    LogprobsConfig,
     LoRAConfig,
     ObservabilityConfig,
     ParallelConfig,
     SchedulerConfig,
     SlidingWindowConfig,
+    StructuredOutputsConfig,
 )
 from nanoserve.kv_transfer_config import KVTransferConfig
 from nanoserve.speculative_config import SpeculativeConfig
@@ -105,6 +108,10 @@ class Config:
     kv_offload_config: KVOffloadConfig | None = None  # None: kv_offloading_size=0
     sliding_window_config: SlidingWindowConfig = field(default_factory=SlidingWindowConfig)
     observability_config: ObservabilityConfig = field(default_factory=ObservabilityConfig)
+    # The chapters a request asks for (off unless asked: nanoserve serve asks for them)
+    logprobs_config: LogprobsConfig | None = None  # None: max_logprobs=0
+    structured_outputs_config: StructuredOutputsConfig | None = None  # None: not enabled
+    beam_search_config: BeamSearchConfig | None = None  # None: enable_beam_search=False
     hf_config: PretrainedConfig = field(init=False, repr=False)
     draft_hf_config: PretrainedConfig | None = field(init=False, repr=False, default=None)  # draft_model's
     eos_token_ids: list[int] = field(init=False, repr=False)
@@ -252,6 +259,9 @@ CHAPTER_RECORDS = {
     "kv_offload_config": (KVOffloadConfig, "kv_offloading_size"),
     "sliding_window_config": (SlidingWindowConfig, None),
     "observability_config": (ObservabilityConfig, None),
+    "logprobs_config": (LogprobsConfig, "max_logprobs"),
+    "structured_outputs_config": (StructuredOutputsConfig, "enable_structured_outputs"),
+    "beam_search_config": (BeamSearchConfig, "enable_beam_search"),
 }
 
 

@@ -1,15 +1,16 @@
-"""Logprobs, a chapter (SamplingParams(logprobs=k, prompt_logprobs=k)): each sampled token's log-probability and
-the k most likely tokens at its place, and the same for each prompt token. It joins with the first request that
-asks (nanoserve/chapters.py) at two seams (engine/seams.py): extra logits rows for the prompt tokens
-(InputBuilder.prepare_inputs), and a hook after sampling that scores the rows (ModelRunner.sample). The results
-go on the sequences (Sequence.logprobs, Sequence.prompt_logprobs), where the engine's outputs read them.
+"""Logprobs, a chapter (SamplingParams(logprobs=k, prompt_logprobs=k)): each sampled token's
+log-probability and the k most likely tokens at its place, and the same for each prompt token. An
+engine built with max_logprobs > 0 plugs it in (nanoserve/chapters.py; a request may ask up to that
+k) at two seams (engine/seams.py): extra logits rows for the prompt tokens
+(InputBuilder.prepare_inputs), and a hook after sampling that scores the rows (ModelRunner.sample).
+The results go on the sequences (Sequence.logprobs, Sequence.prompt_logprobs), where the engine's
+outputs read them.
 """
 import torch
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput, SamplingRow, to_device
-from nanoserve.engine.model_runner import ModelRunner
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import ModelInput, ModelRunner, SamplingRow, to_device
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.outputs import Logprob
 

@@ -1,7 +1,8 @@
 """A LoRA adapter a request asks for, as vLLM spells it: `LoRARequest(lora_name, lora_int_id, lora_path)`.
 
-A leaf record (no torch), importable anywhere: the core carries it on a request (engine/sequence.py) and folds
-its id into the prefix cache's block hashes; the LoRA feature (nanoserve/lora/) reads and serves the adapter.
+A leaf record (no torch), importable anywhere: the core's API takes it (`lora_request=`) and passes
+it on; the LoRA chapter (nanoserve/lora/) keeps it by request id, roots the request's block hashes
+in its hash_root, and reads and serves the adapter.
 """
 from dataclasses import dataclass
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from nanoserve.config import Config
-from nanoserve.engine.input_batch import PARAMS, InputBuilder, StepArrays
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import PARAMS, InputBuilder, StepArrays
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 
 

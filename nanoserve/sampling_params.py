@@ -9,8 +9,9 @@ from nanoserve.structured_outputs import StructuredOutputsParams
 # engine refuses a request that sets one.
 FEATURE_OPTIONS = {"priority": "it needs scheduling_policy='priority'",
                    "lora_request": "pass enable_lora=True",
-                   **dict.fromkeys(("structured_outputs", "logprobs", "prompt_logprobs"),
-                                   "nanoserve.LLM plugs it in"),
+                   "structured_outputs": "pass enable_structured_outputs=True",
+                   **dict.fromkeys(("logprobs", "prompt_logprobs"),
+                                   "nanoserve.LLM plugs it in, with max_logprobs > 0"),
                    "kv_transfer_params": "it needs a kv_transfer_config (docs/disaggregated.md)"}
 
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from time import perf_counter
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.lora.engine import LoRAScheduler
 
 
 @dataclass
@@ -69,11 +69,14 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
     queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
     drafts = out.scheduled_spec_decode_tokens
+    loras = scheduler.lora_manager if isinstance(scheduler, LoRAScheduler) else None  # enable_lora
+    lora_names = {} if loras is None else {seq.seq_id: lora.lora_name for seq in out.seqs
+                                           if (lora := loras.lora_request(seq)) is not None}
     scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
                                   start=row.start, sampled=row.do_sample, is_decode=out.is_decode(row),
                                   spec_token_ids=drafts.get(row.seq.seq_id, []),
                                   num_accepted_tokens=out.num_accepted_tokens.get(row.seq.seq_id, 0),
-                                  lora_name=row.seq.lora_request and row.seq.lora_request.lora_name)
+                                  lora_name=lora_names.get(row.seq.seq_id))
                  for row in out.rows]
     decodes = [r.is_decode for r in scheduled]
     kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"

@@ -1,5 +1,6 @@
 """The LLM API: bad input is a clear ValueError that leaves the engine usable; outputs, ordering, seeds."""
 import gc
+import importlib.util
 import json
 import shutil
 
@@ -170,11 +171,32 @@ def test_unknown_architecture_lists_the_supported_ones(tiny_models, tmp_path):
     ("num_kvcache_blocks", 0, ["num_kvcache_blocks", ">= 1"]),
     ("swap_space", True, ["swap_space", "a number", "True"]),
     ("dtype", "int8", ["dtype", "float32", "int8"]),
+    ("max_logprobs", -1, ["max_logprobs", ">= 0 (0: off)", "got -1"]),
+    ("max_logprobs", 2.5, ["max_logprobs", "an integer", "2.5"]),
 ])
 def test_bad_engine_options_name_the_field(tiny_models, option, value, words):
     with pytest.raises(ValueError) as e:
         make_config(tiny_models["qwen3"], {option: value})
     assert all(w in str(e.value) for w in words), str(e.value)
+
+
+def test_the_chapters_a_request_asks_for_are_off_unless_the_config_asks(tiny_models, monkeypatch):
+    """logprobs, structured outputs and beam search: no record by default (a plain engine runs the core alone),
+    a record with max_logprobs > 0 or their enable_ switch; structured outputs without xgrammar say how to get it."""
+    from nanoserve.chapter_configs import BeamSearchConfig, LogprobsConfig, StructuredOutputsConfig
+
+    names = ("logprobs_config", "structured_outputs_config", "beam_search_config")
+    plain = make_config(tiny_models["qwen3"], {"max_logprobs": 0})
+    assert [getattr(plain, name) for name in names] == [None, None, None]
+    on = make_config(tiny_models["qwen3"], {"max_logprobs": 5, "enable_structured_outputs": True,
+                                            "enable_beam_search": True})
+    assert [getattr(on, name) for name in names] == [LogprobsConfig(5), StructuredOutputsConfig(), BeamSearchConfig()]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "xgrammar" else find_spec(name, *a))
+    with pytest.raises(ValueError, match=r"^enable_structured_outputs needs xgrammar: "
+                       r"pip install 'nanoserve\[structured\]'"):
+        make_config(tiny_models["qwen3"], {"enable_structured_outputs": True})
 
 
 def test_unknown_option_lists_the_options(tiny_models):

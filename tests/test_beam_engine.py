@@ -2,18 +2,21 @@
 token for token and in order, on the three tiny architectures, in blocks of 4 (every prompt crosses block
 boundaries, and siblings split a shared last block by copy-on-write); the block books step by step; preemption;
 the demo model; the refusals."""
+import asyncio
+
 import pytest
 import torch
 from test_beam_search import eos_met_by, hf_beam_search
 from transformers import AutoModelForCausalLM
 
 from conftest import ARCHS, make_model, random_prompts
-from nanoserve import LLM
+from nanoserve import LLM, AsyncLLM
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.chapters import beam_search_feature
 from nanoserve.sampling_params import SamplingParams
 
-OPTIONS = dict(block_size=4, num_kvcache_blocks=512, max_model_len=64, max_num_seqs=300, enforce_eager=True)
+OPTIONS = dict(block_size=4, num_kvcache_blocks=512, max_model_len=64, max_num_seqs=300, enforce_eager=True,
+               enable_beam_search=True)
 PROMPTS = random_prompts(3, seed=7, low=5, high=14)
 MAX_TOKENS = 7
 
@@ -146,7 +149,7 @@ def test_chunked_prefill_gives_equal_results(tiny_models, budget):
 def test_demo_model(converted):
     """The demo model (SmolLM2-135M-Instruct) on a real prompt, with its own EOS, against transformers."""
     path = str(converted[1])
-    llm = LLM(path, max_model_len=128, enforce_eager=True)
+    llm = LLM(path, max_model_len=128, enforce_eager=True, enable_beam_search=True)
     prompt = llm.tokenizer.encode("The capital of France is")
     params = BeamSearchParams(beam_width=3, max_tokens=8)
     output = llm.beam_search([prompt], params, use_tqdm=False)[0]
@@ -171,6 +174,32 @@ def test_refused_before_work(tiny_models, options, params, words):
         llm.beam_search([PROMPTS[0], PROMPTS[1]], BeamSearchParams(**params), use_tqdm=False)
     assert all(w in str(e.value) for w in words), str(e.value)
     assert not llm.engine.requests and llm.engine.scheduler.is_finished()
+
+
+def test_an_engine_built_without_beam_search_refuses_it(tiny_models):
+    """Beam search is switched on by the config: without enable_beam_search the engine has none of it, and
+    LLM.beam_search and AsyncLLM.beam_search are refused naming the option, before anything is queued."""
+    options, params = {**OPTIONS, "enable_beam_search": False}, BeamSearchParams(beam_width=2, max_tokens=3)
+    message = r"^beam search: this engine was built without it; pass LLM\(\.\.\., enable_beam_search=True\)$"
+    llm = LLM(tiny_models["qwen3"], **options)
+    assert "beam_search" not in llm.engine.seams.features and not llm.engine.seams.after_step
+    with pytest.raises(ValueError, match=message):
+        llm.beam_search(PROMPTS, params, use_tqdm=False)
+    assert not llm.engine.requests and llm.engine.scheduler.is_finished()
+    engine = AsyncLLM(tiny_models["qwen3"], **options)
+
+    async def search() -> None:
+        async for _ in engine.beam_search(PROMPTS[0], params):
+            pass
+
+    try:
+        with pytest.raises(ValueError, match=message):
+            engine.check_beam_request(PROMPTS[0], params)  # what the server asks first
+        with pytest.raises(ValueError, match=message):
+            asyncio.run(search())
+        assert not engine.engine_core.requests
+    finally:
+        engine.shutdown()
 
 
 def test_speculation_leaves_beams_alone(tiny_models):

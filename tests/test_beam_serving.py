@@ -41,7 +41,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def llm(converted) -> LLM:
-    return LLM(str(converted[1]), max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25)
+    return LLM(str(converted[1]), max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25, enable_beam_search=True)
 
 
 def kv_in_use(server: Server) -> float:

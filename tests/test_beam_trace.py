@@ -11,7 +11,7 @@ from nanoserve.chapters import beam_search_feature
 from nanoserve.tools.beam_trace import beam_steps, format_beam_trace, plot_beam_blocks
 
 OPTIONS = dict(trace=True, block_size=4, max_model_len=128, device="cpu", enable_prefix_caching=False,
-               **ROOMY_POOL)
+               enable_beam_search=True, **ROOMY_POOL)
 PROMPT = [5, 17, 300, 42, 9, 101]  # 6 tokens: one full block and a partly filled one
 
 

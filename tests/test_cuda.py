@@ -99,8 +99,8 @@ def test_sampling_options_equal_the_cpu_engine(tiny_models):
                             repetition_penalty=1.2, presence_penalty=0.5, max_tokens=12, logprobs=3,
                             prompt_logprobs=2)
     path = tiny_models["llama"]
-    cpu = LLM(path, device="cpu", block_size=16).generate(prompts, params, use_tqdm=False)
-    gpu = LLM(path, dtype="float32", **POOL).generate(prompts, params, use_tqdm=False)
+    cpu = LLM(path, device="cpu", block_size=16, max_logprobs=3).generate(prompts, params, use_tqdm=False)
+    gpu = LLM(path, dtype="float32", max_logprobs=3, **POOL).generate(prompts, params, use_tqdm=False)
     for a, b in zip(cpu, gpu):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
         for x, y in zip([*a.prompt_logprobs[1:], *a.outputs[0].logprobs],

@@ -452,7 +452,7 @@ def test_page_shows_beams_forking(tiny_models, tmp_path):
     yet, so Playwright serves the page and one recorded stream, and nothing goes to the network): a fork line for
     each fork, a square for each dropped beam, each request's beams in rows of their own, the steps' beam events,
     the legend, and the block grid mid-search: the blocks the beams share, numbered with their ref counts."""
-    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=32)
+    llm, stream, states = engine_with_stream(tiny_models["qwen3"], num_kvcache_blocks=32, enable_beam_search=True)
     llm.beam_search([[5, 6, 7, 8, 9, 10], [11, 12, 13]], BeamSearchParams(beam_width=3, max_tokens=6),
                     use_tqdm=False)
     steps = records(stream)

@@ -141,7 +141,8 @@ def test_plugged_in_features_hold_no_reference_back_to_the_engine(tiny_models):
     cycle: `del llm` would then not free the engine, its KV cache and its worker processes at once, but only
     whenever the garbage collector runs."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
-    llm = LLM(tiny_models["qwen3"], trace=True, speculative_config=spec, num_kvcache_blocks=64)
+    llm = LLM(tiny_models["qwen3"], trace=True, speculative_config=spec, num_kvcache_blocks=64,
+              enable_beam_search=True)
     llm.beam_search([[5, 6, 7]], BeamSearchParams(beam_width=2, max_tokens=3), use_tqdm=False)
     llm.generate([[5, 6, 7, 5, 6]], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert set(llm.engine.seams.features) == {"beam_search", "step_records"}

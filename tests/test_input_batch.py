@@ -1,4 +1,4 @@
-"""engine/input_batch.py without a model: a hand-made plan becomes exactly these tensors, with the core's plain
+"""engine/model_runner.py without a model: a hand-made plan becomes exactly these tensors, with the core's plain
 loops and with the persistent input batch (nanoserve/persistent_batch.py, a chapter), which build the same."""
 import random
 
@@ -9,8 +9,8 @@ from test_scheduling_random import next_token, random_case
 
 from nanoserve import LLM
 from nanoserve.beam_search.scheduler import beam_rows
-from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import InputBuilder
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.logprobs import logprobs_places
 from nanoserve.persistent_batch import InputBatch

@@ -178,7 +178,7 @@ def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters, monk
     pytest.importorskip("triton")
     monkeypatch.setattr("nanoserve.layers.onednn.reorders_for_onednn", lambda dtype: False)
     llm = LLM(tiny_models["qwen2"], enable_lora=True, max_loras=3, dtype="float32", **ROOMY_POOL)
-    llm.engine.model_runner.model.lora_slots.grouped = True  # (what LoRASlots picks on CUDA)
+    llm.engine.model_runner.lora_slots.grouped = True  # (what LoRASlots picks on CUDA)
     graphs, replays = llm.engine.model_runner.cuda_graphs, []
     if graphs is not None:  # on a GPU
         replay = graphs.replay
@@ -193,7 +193,7 @@ def test_the_triton_kernel_in_the_engine_equals_peft(tiny_models, adapters, monk
 
 
 def test_logprobs_and_a_single_adapter_for_all_prompts(tiny_models, adapters):
-    llm = LLM(tiny_models["qwen3"], enable_lora=True, **ROOMY_POOL)
+    llm = LLM(tiny_models["qwen3"], enable_lora=True, max_logprobs=1, **ROOMY_POOL)
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, logprobs=1)
     lora = adapters["qwen3"][2]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False, lora_request=lora)
@@ -205,17 +205,22 @@ def test_max_loras_slots(tiny_models, adapters):
     batch) holds more than two adapters, the slots are reloaded between steps, and no block leaks."""
     llm = LLM(tiny_models["llama"], enable_lora=True, max_loras=2, max_cpu_loras=3, **ROOMY_POOL)
     engine = llm.engine
-    per_step = []
-    engine.seams.observers.append(lambda out, seqs: out is not None and per_step.append(
-        ({s.lora_request.lora_int_id for s in out.seqs if s.lora_request},
-         {s.lora_request.lora_int_id for s in engine.scheduler.running if s.lora_request})))
+    manager, schedule, per_step = engine.lora_manager, engine.scheduler.schedule, []
+
+    def adapter_ids(seqs) -> set[int]:
+        return {lora.lora_int_id for s in seqs if (lora := manager.lora_request(s)) is not None}
+
+    def recorded_schedule():  # each step's adapters, and the running batch's
+        out = schedule()
+        per_step.append((adapter_ids(out.seqs), adapter_ids(engine.scheduler.running)))
+        return out
+    engine.scheduler.schedule = recorded_schedule
     loras = [adapters["llama"][1 + i % 4] for i in range(len(PROMPTS))]
     loras[3] = None
     outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False, lora_request=loras)
     assert_equal_to_peft(tiny_models["llama"], outputs, loras)
     assert max(len(step) for step, _ in per_step) == 2 and max(len(running) for _, running in per_step) <= 2
     assert set().union(*(step for step, _ in per_step)) == {1, 2, 3, 4}
-    manager = engine.seams.request_checks["lora_request"].__self__
     assert len(manager.host) <= 3  # max_cpu_loras: least recently used read again when needed
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 

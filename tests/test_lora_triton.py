@@ -197,8 +197,8 @@ def test_cuda_graphs_are_captured_again_with_the_lora_kernels(monkeypatch):
 
     class Graphs:  # CUDAGraphs' stand-in: a CPU has none to capture
         def __init__(self, model, config, scratch_slot):
-            rows = model.lora_slots.rows
             qkv = model.model.layers[0].self_attn.qkv_proj  # a forward as captured: the kernel, on base rows alone
+            rows = qkv.rows
             x = torch.randn(4, qkv.base.in_features, device=DEVICE)
             seen.append((rows.active, rows.path, rows.slots.max().item(), scratch_slot,
                          torch.equal(qkv(x), qkv.base(x))))
@@ -221,6 +221,6 @@ def test_cuda_graphs_are_captured_again_with_the_lora_kernels(monkeypatch):
             self.grouped = True
 
     monkeypatch.setattr(layers_module, "LoRASlots", TritonSlots)
-    layers_module.add_lora_slots(runner, 2, 4)
+    slots = layers_module.add_lora_slots(runner, 2, 4)
     assert seen == [(True, "decode", -1, 7, True)] and isinstance(runner.cuda_graphs, Graphs)
-    assert not runner.model.lora_slots.rows.active
+    assert not slots.rows.active

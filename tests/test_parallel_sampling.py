@@ -88,7 +88,7 @@ def test_every_sequence_reports_the_prompt_cache_hits(tiny_models):
 
 def test_n_sequences_equal_n_requests_seeded_by_the_rule(tiny_models):
     """Sequence i of a request with seed s samples as a request of its own with seed s + i."""
-    llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=64)
+    llm = LLM(tiny_models["llama"], **OPTIONS, num_kvcache_blocks=64, max_logprobs=2)
     prompts = random_prompts(2, seed=4, low=5, high=14)
     params = SamplingParams(n=4, seed=11, max_tokens=12, presence_penalty=0.5, logprobs=2, prompt_logprobs=1)
     outputs = llm.generate(prompts, params, use_tqdm=False)

@@ -8,11 +8,18 @@ import pytest
 from test_structure import floor
 
 from nanoserve import LLM, SamplingParams
-from nanoserve.tools.reading_guide import REPO, files_run, non_blank_lines, plain_request_files, table
+from nanoserve.tools.reading_guide import (
+    REPO,
+    decode_step_files,
+    files_run,
+    non_blank_lines,
+    plain_request_files,
+    table,
+)
 
 # The core's ceiling (the README's opening states it). Its budget is 1,600 lines: wrapped at 100 columns it is about
 # 1,760, the chapters' hooks still in it (the calls of engine/seams.py, the chapters' fields) being the difference.
-MAX_FILES, MAX_LINES, MAX_COLUMNS = 16, 1800, 100
+MAX_FILES, MAX_LINES, MAX_COLUMNS, MAX_DECODE_FILES = 16, 1800, 100, 10
 
 
 def core_part(readme: str) -> str:
@@ -41,6 +48,13 @@ def test_a_plain_request_runs_the_guides_core_files_in_order_and_no_feature(conv
     too_long = [f"{f}:{i}" for f in ran for i, line in enumerate((REPO / f).read_text().splitlines(), 1)
                 if len(line) > MAX_COLUMNS]
     assert not too_long, too_long
+
+
+def test_one_decode_step_runs_at_most_ten_core_files(converted):
+    """engine.step() after the prefill: the files a student follows to read one decode step."""
+    ran = decode_step_files(str(converted[1]))
+    assert len(ran) <= MAX_DECODE_FILES, ran
+    assert set(ran) <= set(plain_request_files(str(converted[1]))), ran
 
 
 def test_the_table_is_the_tools_output_but_for_its_counts():
@@ -76,6 +90,9 @@ CHAPTERS = [
     (dict(scheduling_policy="priority"), "nanoserve/scheduling/priority.py"),
     (dict(async_scheduling=True), "nanoserve/scheduling/async_scheduling.py"),
     (dict(async_scheduling=True), "nanoserve/persistent_batch.py"),
+    # the chapters a request asks for are switched on by the config too (nanoserve serve turns them on)
+    (dict(max_logprobs=1), "nanoserve/logprobs.py"),
+    (dict(enable_beam_search=True), "nanoserve/beam_search/scheduler.py"),
 ]
 
 

@@ -38,7 +38,7 @@ def assert_logprobs(logprobs, token_ids, rows, k) -> None:
 def test_logprobs_and_prompt_logprobs_equal_transformers(tiny_models, hf, options):
     # With chunked prefill, a prompt's logprobs come from several steps. min_tokens masks EOS: not in logprobs.
     min_tokens = options.pop("min_tokens", 0)
-    llm = LLM(tiny_models["llama"], **OPTIONS, **options)
+    llm = LLM(tiny_models["llama"], **OPTIONS, **options, max_logprobs=3)
     prompts = random_prompts(3, seed=1, low=10, high=40)
     # Sampled at temperature 2 with penalties: the logprobs still are the raw model's (vLLM's default).
     params = SamplingParams(temperature=2.0, seed=1, max_tokens=6, logprobs=3, prompt_logprobs=2,
@@ -54,7 +54,7 @@ def test_logprobs_and_prompt_logprobs_equal_transformers(tiny_models, hf, option
 
 
 def test_logprobs_off_and_0(tiny_models):
-    llm = LLM(tiny_models["llama"], **OPTIONS)
+    llm = LLM(tiny_models["llama"], **OPTIONS, max_logprobs=1)
     params = [SamplingParams(max_tokens=3), SamplingParams(max_tokens=3, logprobs=0)]
     plain, zero = llm.generate([[5, 6, 7]] * 2, params, use_tqdm=False)
     assert plain.outputs[0].logprobs is None and plain.prompt_logprobs is None
@@ -63,9 +63,11 @@ def test_logprobs_off_and_0(tiny_models):
         llm.generate([[5, 6]], SamplingParams(logprobs=513), use_tqdm=False)
 
 
-def test_logprobs_are_a_chapter_that_joins_with_the_first_request_that_asks(tiny_models):
-    """nanoserve/logprobs.py runs no line for a plain request and plugs in with the first that asks; the core's
-    LLM, with no feature plugged in, refuses both options before anything is queued."""
+def test_logprobs_are_a_chapter_switched_on_by_max_logprobs(tiny_models):
+    """nanoserve/logprobs.py runs no line for a plain request; without max_logprobs (0) the engine has no
+    logprobs and refuses a request that asks, naming the option, before anything is queued; with it the
+    chapter is plugged in at build and a request may ask for up to max_logprobs (vLLM's rule). The core's
+    LLM, with no feature plugged in, refuses both options too."""
     from test_reading_guide import files_run
 
     from nanoserve import llm as core_llm
@@ -73,8 +75,24 @@ def test_logprobs_are_a_chapter_that_joins_with_the_first_request_that_asks(tiny
     llm = LLM(tiny_models["llama"], **OPTIONS)
     plain = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False))
     assert "nanoserve/logprobs.py" not in plain and "logprobs" not in llm.engine.seams.features
-    asked = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=1), use_tqdm=False))
-    assert "nanoserve/logprobs.py" in asked and "logprobs" in llm.engine.seams.features
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{name}: 5 exceeds max_logprobs \(0\); pass LLM\(\.\.\., "
+                           r"max_logprobs=5\) or more"):
+            llm.generate([[5, 6]], SamplingParams(**{name: 5}), use_tqdm=False)
+        with pytest.raises(ValueError, match=rf"^{name}: this engine has no logprobs \(max_logprobs=0\); "
+                           r"pass LLM\(\.\.\., max_logprobs=1\) or more"):
+            llm.generate([[5, 6]], SamplingParams(**{name: 0}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests() and "logprobs" not in llm.engine.seams.features
+    llm = LLM(tiny_models["llama"], **OPTIONS, max_logprobs=2)
+    assert "logprobs" in llm.engine.seams.features  # at build, not with a request
+    asked = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False))
+    assert "nanoserve/logprobs.py" in asked
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"^{name}: 3 exceeds max_logprobs \(2\); pass LLM\(\.\.\., "
+                           r"max_logprobs=3\) or more"):
+            llm.generate([[5, 6], [5, 6]], [SamplingParams(max_tokens=2), SamplingParams(**{name: 3})],
+                         use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()  # the valid first prompt was not queued either
     core = core_llm.LLM(tiny_models["llama"], **OPTIONS)
     for name in ("logprobs", "prompt_logprobs"):
         with pytest.raises(ValueError, match=f"^{name}: this engine has no feature plugged in for it; nanoserve.LLM"):

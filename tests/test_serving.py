@@ -50,7 +50,7 @@ def client(server) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def llm(converted) -> LLM:
-    return LLM(str(converted[1]), max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25)
+    return LLM(str(converted[1]), max_model_len=MAX_MODEL_LEN, cpu_kvcache_space=0.25, max_logprobs=3)
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24)
@@ -495,6 +495,53 @@ def test_bad_requests_get_openai_errors(server, route, body, status, param):
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["param"] == param, error
+
+
+def test_a_server_without_the_request_chapters_refuses_them_by_name(converted):
+    """`nanoserve serve` turns logprobs, structured outputs and beam search on (cli.SERVE_DEFAULTS: the OpenAI API
+    serves them as vLLM's does, while LLM(...) leaves them out); turned off by flags, a request that asks is a
+    400 in OpenAI's shape naming its field and the option, before any work."""
+    import argparse
+    import importlib.util
+
+    from fastapi.testclient import TestClient
+
+    from nanoserve import AsyncLLM
+    from nanoserve.serving.cli import add_serve_flags, app_from_args, engine_options
+
+    parser = argparse.ArgumentParser()
+    add_serve_flags(parser)
+    defaults = engine_options(parser.parse_args([]))
+    assert (defaults["max_logprobs"], defaults["enable_beam_search"]) == (20, True)
+    assert defaults["enable_structured_outputs"] == (importlib.util.find_spec("xgrammar") is not None)
+    args = parser.parse_args([str(converted[1]), "--served-model-name", MODEL, "--max-model-len", "128",
+                              "--cpu-kvcache-space", "0.25", "--max-logprobs", "0", "--no-enable-structured-outputs",
+                              "--no-enable-beam-search"])
+    engine = AsyncLLM(args.model, **engine_options(args))
+    try:
+        assert not engine.engine_core.seams.features  # the core alone
+        client = TestClient(app_from_args(engine, args))
+        for route, body, param, option in (
+                ("completions", {"prompt": "Hi", "logprobs": 2}, "logprobs", "max_logprobs=2"),
+                ("completions", {"prompt": "Hi", "logprobs": 0, "echo": True}, "logprobs", "max_logprobs=1"),
+                ("chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 1}, "logprobs",
+                 "max_logprobs=1"),
+                ("completions", {"prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs",
+                 "enable_structured_outputs=True"),
+                ("chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}},
+                 "structured_outputs", "enable_structured_outputs=True"),
+                ("completions", {"prompt": "Hi", "use_beam_search": True, "n": 2}, "use_beam_search",
+                 "enable_beam_search=True")):
+            response = client.post(f"/v1/{route}", json={"model": MODEL, "max_tokens": 4, **body})
+            assert response.status_code == 400, (body, response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["param"] == param and option in error["message"], (body, error)
+        assert not engine.engine_core.requests
+        response = client.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2})
+        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] > 0
+    finally:
+        engine.shutdown()
 
 
 def test_too_long_max_tokens_says_how_many_fit(server):

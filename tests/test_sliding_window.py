@@ -124,7 +124,7 @@ def test_prefix_hits_follow_the_window(models, name):
 
 @pytest.mark.parametrize("name", ["mistral", "qwen2_hybrid"])
 def test_n_beams_and_ngram_speculation_equal_transformers(models, expected, name):
-    llm = LLM(models[name], block_size=BLOCK_SIZE, num_kvcache_blocks=64)
+    llm = LLM(models[name], block_size=BLOCK_SIZE, num_kvcache_blocks=64, enable_beam_search=True)
     outputs = llm.generate(PROMPTS[:3], SamplingParams(n=2, temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True),
                            use_tqdm=False)
     assert [[c.token_ids for c in o.outputs] for o in outputs] == [[e, e] for e in expected[name][:3]]

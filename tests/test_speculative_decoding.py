@@ -139,10 +139,10 @@ def test_options_inside_an_accepted_run(tiny_models, proposer):
     """n > 1, logprobs, min_tokens, stop tokens and max_tokens landing inside a run of accepted drafts: the
     same tokens (and logprobs) as without speculation."""
     prompts = repetitive_prompts(4, seed=3)
-    plain = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL)
+    plain = LLM(tiny_models["qwen3"], block_size=4, max_logprobs=3, **ROOMY_POOL)
     ref = plain.generate(prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), use_tqdm=False)
     stop_ids = [ref[0].outputs[0].token_ids[5], ref[1].outputs[0].token_ids[3]]
-    llm = LLM(tiny_models["qwen3"], block_size=4, **ROOMY_POOL,
+    llm = LLM(tiny_models["qwen3"], block_size=4, max_logprobs=3, **ROOMY_POOL,
               speculative_config=spec_config(proposer, 5, tiny_models["qwen3"], tiny_models["qwen3"]))
     for params in (SamplingParams(temperature=0, max_tokens=MAX_TOKENS, n=2, logprobs=3),
                    SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=stop_ids, min_tokens=4),

@@ -1,6 +1,8 @@
 """The package's shape (the developer's guide): imports run one way down the layers, with no circles; the core
-never imports a feature (features plug in at engine/seams.py); no core file is over 300 lines, no file in
-nanoserve/ over 300 non-blank lines. Read from the source with ast: function-level imports count too."""
+never imports a feature (chapters subclass the core's classes); no file in nanoserve/ is over 400 lines
+(nano-vllm's model_runner.py holds the step's inputs, the model runner and its CUDA graphs in 251; ours, the
+inputs with the sampling metadata, the runner and the executor), nor over 350 non-blank lines. Read from the
+source with ast: function-level imports count too."""
 import ast
 import shutil
 from graphlib import CycleError, TopologicalSorter
@@ -89,9 +91,9 @@ def test_imports_go_down_the_layers():
     assert not upward(imports()), upward(imports())
 
 
-def test_no_core_file_over_300_lines():
+def test_no_core_file_over_400_lines():
     core = [p for p in ROOT.rglob("*.py") if not {"serving", "tools"} & set(p.relative_to(ROOT).parts)]
-    long = {str(p.relative_to(ROOT)): n for p in core if (n := len(p.read_text().splitlines())) > 300}
+    long = {str(p.relative_to(ROOT)): n for p in core if (n := len(p.read_text().splitlines())) > 400}
     assert core and not long, long
 
 
@@ -99,21 +101,21 @@ def non_blank_lines(text: str) -> int:
     return sum(1 for line in text.splitlines() if line.strip())
 
 
-def long_files(root: Path = ROOT, limit: int = 300) -> dict[str, int]:
+def long_files(root: Path = ROOT, limit: int = 350) -> dict[str, int]:
     """Every .py file under root with more than `limit` non-blank lines -> how many it has."""
     return {str(p.relative_to(root)): n for p in root.rglob("*.py") if (n := non_blank_lines(p.read_text())) > limit}
 
 
-def test_no_file_over_300_non_blank_lines():
+def test_no_file_over_350_non_blank_lines():
     assert not long_files(), long_files()
 
 
 def test_the_line_check_can_fail(tmp_path):
-    """301 non-blank lines are one too many; 300, however many blank (or all-space) lines lie between, are not."""
+    """351 non-blank lines are one too many; 350, however many blank (or all-space) lines lie between, are not."""
     (tmp_path / "tools").mkdir()
-    (tmp_path / "tools" / "long.py").write_text("x = 1\n\n" * 301)
-    (tmp_path / "short.py").write_text("x = 1\n    \n\n" * 300)
-    assert long_files(tmp_path) == {"tools/long.py": 301}
+    (tmp_path / "tools" / "long.py").write_text("x = 1\n\n" * 351)
+    (tmp_path / "short.py").write_text("x = 1\n    \n\n" * 350)
+    assert long_files(tmp_path) == {"tools/long.py": 351}
 
 
 def test_the_checks_can_fail(tmp_path):
@@ -127,7 +129,7 @@ def test_the_checks_can_fail(tmp_path):
         f.write("\n\ndef drafts():\n    from nanoserve.spec_decode.proposer import propose_drafts\n"
                 "    return propose_drafts\n")
     with open(copy / "layers" / "sampler.py", "a") as f:
-        f.write("\nfrom nanoserve.engine.output_processor import IncrementalDetokenizer  # noqa\n")
+        f.write("\nfrom nanoserve.engine.output_processor import EngineCoreOutput  # noqa\n")
     graph = imports(copy)
     assert {"nanoserve.engine.sequence", "nanoserve.engine.scheduler"} <= set(cycle(graph))
     assert "nanoserve.layers.sampler -> nanoserve.engine.output_processor" in upward(graph)

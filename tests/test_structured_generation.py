@@ -17,7 +17,7 @@ from nanoserve.structured_output.manager import StructuredOutputManager  # noqa:
 
 jsonschema = pytest.importorskip("jsonschema")
 
-OPTIONS = dict(max_model_len=512, num_kvcache_blocks=256)
+OPTIONS = dict(max_model_len=512, num_kvcache_blocks=256, enable_structured_outputs=True)
 NAME = {"type": "string", "maxLength": 10}
 # Ten schemas: nested objects, arrays, enums, required fields, numbers with bounds (strings and arrays bounded,
 # so a small model's greedy output always ends within max_tokens).
@@ -226,7 +226,18 @@ def test_bad_specs_are_refused_before_any_work(llm):
 
 
 def test_a_model_without_a_tokenizer_is_refused(tiny_models):
-    llm = LLM(tiny_models["qwen3"], max_model_len=64, num_kvcache_blocks=8)
+    """At build: the grammar's mask is built from the tokenizer's vocabulary."""
     with pytest.raises(ValueError, match="structured_outputs: this model folder has no tokenizer"):
-        llm.generate([[1, 2, 3]], structured("choice", ["a"], max_tokens=4), use_tqdm=False)
+        LLM(tiny_models["qwen3"], max_model_len=64, num_kvcache_blocks=8, enable_structured_outputs=True)
+
+
+def test_an_engine_built_without_structured_outputs_refuses_them(converted):
+    """The chapter is switched on by the config: without enable_structured_outputs a plain engine has none
+    of it, and a structured request is refused naming the option, before any request is queued."""
+    llm = LLM(str(converted[1]), max_model_len=64, num_kvcache_blocks=8)
+    assert "structured_outputs" not in llm.engine.seams.features and not llm.engine.seams.logits_processors
+    with pytest.raises(ValueError, match="^structured_outputs: this engine has no feature plugged in for it; "
+                       "pass enable_structured_outputs=True$"):
+        llm.generate(["a", "b"], [SamplingParams(max_tokens=2), structured("choice", ["a"], max_tokens=4)],
+                     use_tqdm=False)
     assert not llm.engine.requests

@@ -106,7 +106,7 @@ def test_a_vocabulary_that_does_not_split_evenly_is_padded(tmp_path, arch, vocab
     assert generate(one, prompts)[0] == expected
     del one
 
-    llm = LLM(path, tensor_parallel_size=N, **OPTIONS)
+    llm = LLM(path, tensor_parallel_size=N, max_logprobs=vocab_size, **OPTIONS)
     assert generate(llm, prompts)[0] == expected
     shapes = llm.engine.executor.call("apply", parameter_shapes)
     assert [rank["lm_head.weight"][0] for rank in shapes] == [(vocab_size + 1) // 2] * N

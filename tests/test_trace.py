@@ -237,7 +237,8 @@ def test_beam_forks_and_drops_are_recorded(tiny_models, tmp_path):
     """trace=True with beam search: replaying each step's forks (a new beam from a live parent) and drops on
     the live beams gives exactly the running queue after the step, and at the end no beam is left. The
     reader starts a forked beam in the step after its fork; the table and the timeline show both."""
-    llm = LLM(tiny_models["qwen3"], trace=True, block_size=4, num_kvcache_blocks=64, max_model_len=64)
+    llm = LLM(tiny_models["qwen3"], trace=True, block_size=4, num_kvcache_blocks=64, max_model_len=64,
+              enable_beam_search=True)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     llm.beam_search(prompts, BeamSearchParams(beam_width=3, max_tokens=6), use_tqdm=False)
     trace, live, forks, drops = llm.trace, set(), 0, 0

@@ -2,8 +2,8 @@
 
 Its beams have raw_logits: nothing is drawn for them; their logits rows join the step (the extra_logits_rows
 seam, `beam_rows`) and go back with the plan (`out.raw_logits`, the after_sample seam). search.py's
-BeamSearch.step says who goes on from whom, and `BeamScheduler.step` (the after_step seam, plugged in with the
-first beam search) acts that out on the blocks, in order:
+BeamSearch.step says who goes on from whom, and `BeamScheduler.step` (the after_step seam, plugged
+in when the engine is built with enable_beam_search=True) acts that out on the blocks, in order:
 free the beams that have no child, fork a parent with several children (the child shares every block: one
 more reference each), then append each child's token. The next schedule's `may_append` splits a shared,
 partly filled last block (copy-on-write) only for a beam that writes into it. docs/beam_search.md draws it.
@@ -18,9 +18,9 @@ from nanoserve.beam_search.search import BeamChild, BeamSearch, Hypothesis
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput
+from nanoserve.engine.model_runner import ModelInput
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
 

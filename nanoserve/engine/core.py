@@ -6,8 +6,7 @@ from transformers import AutoTokenizer
 
 from nanoserve.config import Config, has_tokenizer
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.model_runner import Executor, ModelRunner
+from nanoserve.engine.model_runner import Executor, InputBuilder, ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
@@ -90,7 +89,7 @@ class EngineCore:
         self.check_request(prompt_token_ids, sampling_params, priority, lora_request)
         request = Request(request_id, prompt_token_ids, sampling_params,
                           block_size=self.config.block_size, seq_ids=self.seq_ids,
-                          tokenizer=self.tokenizer, lora_request=lora_request)
+                          tokenizer=self.tokenizer)
         # A feature sets a request up for its option (compiles its grammar, off the step path).
         for name, set_up in self.seams.request_options.items():
             if getattr(sampling_params, name) is not None:

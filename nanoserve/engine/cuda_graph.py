@@ -6,15 +6,14 @@ import torch
 from torch import nn
 
 from nanoserve.config import Config
-from nanoserve.engine.input_batch import InputBuilder
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.utils.math import cdiv
 
 
-def profile_num_blocks(runner) -> int:
+def profile_num_blocks(runner, input_builder) -> int:
     """The KV blocks a ModelRunner's GPU holds: warm up with the largest prefill the scheduler may send, on a
     temporary cache sized for it (counting that cache as activation memory errs on the safe side); the blocks
     are what gpu_memory_utilization leaves after the weights and that forward's peak."""
@@ -32,7 +31,7 @@ def profile_num_blocks(runner) -> int:
         seq.block_table = list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq))
         seq.num_computed_tokens = cfg.max_model_len - num_tokens
         out.add(seq, num_tokens)
-    inputs = InputBuilder.from_config(cfg).prepare_inputs(out)
+    inputs = input_builder.prepare_inputs(out)
     runner.run_model(inputs.input_ids, inputs.positions, inputs.meta, inputs.logits_rows)
     torch.cuda.synchronize()
     del runner.kv_cache

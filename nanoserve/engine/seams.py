@@ -7,16 +7,17 @@ imports a feature. A chapter that changes a part of the engine as a whole is a s
 the core and add themselves here. nanoserve/chapters.py is the one place that builds an engine from its config.
 With every list empty, as for a plain request, the core runs no feature code.
 """
+from __future__ import annotations
+
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.layers.sampling_metadata import LogitsProcessor
 
 # (the step's plan, each sequence that got tokens -> how many) -> outputs of the requests the hook finished
-AfterStep = Callable[[SchedulerOutput, dict[Sequence, int]], list[EngineCoreOutput]]
+AfterStep = Callable[[object, dict[Sequence, int]], list[EngineCoreOutput]]
 
 
 @dataclass
@@ -29,7 +30,7 @@ class Seams:
     request_options: dict[str, Callable[[Request], None]] = field(default_factory=dict)
     # 2. Admission (Scheduler._next_waiting): (waiting sequence, the scheduler, the plan so far) -> may it join this
     #    step? One that may not keeps its place; those behind it may go (vLLM v0.6.3's curr_loras: LoRA's max_loras).
-    admits: list[Callable[[Sequence, object, SchedulerOutput], bool]] = field(default_factory=list)
+    admits: list[Callable[[Sequence, object, object], bool]] = field(default_factory=list)
     # 3. Running (Scheduler._schedule_running): (a request's running sequences) -> must they sit this step out?
     #    (async scheduling: a token they need is still in flight.)
     sits_out: list[Callable[[list[Sequence]], bool]] = field(default_factory=list)
@@ -37,7 +38,7 @@ class Seams:
     #    next mask, drafts proposed from that token): the async chapter's sits_out asks these.
     needs_newest_token: list[Callable[[Sequence], bool]] = field(default_factory=list)
     # 7. The plan is made (Scheduler.schedule): hooks that add to it.
-    after_schedule: list[Callable[[SchedulerOutput], None]] = field(default_factory=list)
+    after_schedule: list[Callable[[object], None]] = field(default_factory=list)
     # 8. Sampling (layers/sampler.py): logits processors, applied in order to the rows the sampler draws from
     #    (a grammar's mask of allowed tokens). The InputBuilder asks each for its step's state on the host.
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
@@ -48,14 +49,14 @@ class Seams:
     #    "out" (copies that read the device pool: swap-outs, offloads), then, after all of them, with "in" (copies
     #    that write it: swap-ins, host-tier hits), since a block the first free may be the second's destination.
     #    (plan, executor, "out" | "in") -> None.
-    move_kv: list[Callable[[SchedulerOutput, object, str], None]] = field(default_factory=list)
+    move_kv: list[Callable[[object, object, str], None]] = field(default_factory=list)
     # 11. Fills the step's lookahead slots on the device (a draft model's proposals). (plan, inputs, run_draft) ->
     #    the inputs to run.
     propose: Callable | None = None
     # 12. Just before the forward, on the process that plans: (plan, inputs) -> None, e.g. async scheduling's
     #    placeholders filled on the device, LoRA's slot loads and rows (run on every rank through
     #    executor.call("apply", fn, ...), ModelRunner.apply).
-    before_forward: list[Callable[[SchedulerOutput, object], None]] = field(default_factory=list)
+    before_forward: list[Callable[[object, object], None]] = field(default_factory=list)
     # 13. Drawing (ModelRunner.sample): picks each row's tokens instead of the sampler's draw (speculative
     #    decoding's verification of the lookahead tokens). (model runner, logits, inputs) -> token ids.
     sample: Callable | None = None
@@ -63,7 +64,7 @@ class Seams:
     after_sample: list[Callable] = field(default_factory=list)
     # 15. The step's output comes back (EngineCore._update_from_output), first: hooks that fail requests the step
     #    left without valid KV. (plan) -> their outputs.
-    before_update: list[Callable[[SchedulerOutput], list[EngineCoreOutput]]] = field(default_factory=list)
+    before_update: list[Callable[[object], list[EngineCoreOutput]]] = field(default_factory=list)
     # 16. Scheduler.postprocess, for a sequence that computed lookahead tokens: (scheduler, plan, seq, where its
     #    step started, the tokens emitted) -> seq once per token kept (speculative decoding's rollback).
     accept_lookahead: Callable | None = None
@@ -71,7 +72,7 @@ class Seams:
     #    themselves (beam search), or propose the next step's lookahead tokens.
     after_step: list[AfterStep] = field(default_factory=list)
     # 18. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
-    observers: list[Callable[[SchedulerOutput | None, list[Sequence]], None]] = field(default_factory=list)
+    observers: list[Callable[[object | None, list[Sequence]], None]] = field(default_factory=list)
     # The features plugged in, by name ("beam_search", "step_records", ...): one that joins with its first
     # request, or that a front end reads (llm.trace), finds its object here.
     features: dict[str, object] = field(default_factory=dict)

@@ -20,8 +20,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import Executor, ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.engine.stats import SchedulerStats
 from nanoserve.host_kv_pool import allocate_host_pool, copy_host_blocks

@@ -20,8 +20,7 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import Executor
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.kv_transfer.connector import ConnectorMetadata, KVTransferStats, P2pConnector
 

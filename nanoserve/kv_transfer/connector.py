@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, compute_hash
 from nanoserve.kv_transfer.pipe import KVPipe, KVStore
 from nanoserve.kv_transfer_config import KVTransferConfig

@@ -1,5 +1,5 @@
 """What the sampler takes for a step (vLLM's v1/sample/metadata.py): records the engine fills on the host
-(engine/input_batch.py), and the LogitsProcessor a feature plugs in at the seam (engine/seams.py)."""
+(engine/model_runner.py), and the LogitsProcessor a feature plugs in at the seam (engine/seams.py)."""
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 

@@ -3,8 +3,9 @@ target holds max_loras stacked A and B slots; a step's rows each use one slot or
 layer serve them all, whatever mix of adapters they use. No Python loop over requests. On CUDA a Triton kernel
 multiplies each row by its own slot's weights alone (triton_lora.py).
 
-Every rank holds the same slots (tensor parallelism): rank 0's LoRAManager decides what each slot holds and which
-slot each row uses, and runs that on every rank's LoRASlots (add_lora_slots, lora_slots_call)."""
+Every rank holds the same slots (tensor parallelism): rank 0's LoRAManager decides what each slot
+holds and which slot each row uses, and the LoRAExecutor runs that on every rank's LoRASlots
+(lora/engine.py)."""
 import importlib.util
 import itertools
 
@@ -195,16 +196,12 @@ class LoRASlots:
             self.rows.active = False
 
 
-def add_lora_slots(runner: ModelRunner, max_loras: int, max_rank: int) -> None:
-    """Run on every rank (ModelRunner.apply): wrap its model's layers; their LoRASlots hang on the model."""
+def add_lora_slots(runner: ModelRunner, max_loras: int, max_rank: int) -> LoRASlots:
+    """A rank's LoRASlots in its runner's model (LoRAModelRunner, on every rank); its CUDA
+    graphs, captured before the layers were wrapped, are captured again."""
     config = runner.config
     slots = LoRASlots(runner.model, max_loras, max_rank, runner.device, config.torch_dtype,
                       max(config.max_num_batched_tokens, config.max_num_seqs))
-    runner.model.lora_slots = slots
-    if runner.cuda_graphs is not None:  # captured before the layers were wrapped
+    if runner.cuda_graphs is not None:
         slots.capture_graphs(runner)
-
-
-def lora_slots_call(runner: ModelRunner, method: str, *args) -> None:
-    """Run on every rank (ModelRunner.apply): its LoRASlots' method(*args), as rank 0's LoRAManager decided."""
-    getattr(runner.model.lora_slots, method)(*args)
+    return slots

@@ -25,9 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from nanoserve.config import Config
-from nanoserve.engine.input_batch import ModelInput
-from nanoserve.engine.model_runner import Executor, ModelRunner
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import Executor, ModelInput, ModelRunner
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.seams import Seams
 from nanoserve.parallel.pipeline import PipelineStageModel, receive_logits
 from nanoserve.parallel.torchrun import connect_ranks, env_rank, launched_by_torchrun, start_watching

@@ -15,10 +15,9 @@ import torch
 
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.input_batch import ModelInput, to_device
+from nanoserve.engine.model_runner import ModelInput, to_device
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, num_seats
 
 

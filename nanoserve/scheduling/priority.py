@@ -7,8 +7,7 @@ from collections.abc import Callable
 
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import RequestQueue, Sequence, num_seats
 from nanoserve.lora_request import LoRARequest
 from nanoserve.sampling_params import SamplingParams

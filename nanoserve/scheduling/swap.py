@@ -14,8 +14,7 @@ from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import Executor
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
 from nanoserve.host_kv_pool import allocate_host_pool, copy_host_blocks
 

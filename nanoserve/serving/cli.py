@@ -2,10 +2,13 @@
 
 Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also as
 `--no-...`). The flags are generated from the fields of `Config` and of its chapters' records
-(chapter_configs.py), each field's comment as its help, so an option is written down once.
+(chapter_configs.py), each field's comment as its help, so an option is written down once. The
+chapters a request asks for (logprobs, structured outputs, beam search) default on here, off in
+LLM(...): SERVE_DEFAULTS.
 """
 import argparse
 import asyncio
+import importlib.util
 import inspect
 import json
 import logging
@@ -22,11 +25,20 @@ from nanoserve.chapter_configs import SWITCHES
 from nanoserve.config import CHAPTER_RECORDS, Config, core_option_fields, option_defaults
 from nanoserve.serving.app import build_app
 from nanoserve.serving.lora import LoRAModulePath, parse_lora_module
+from nanoserve.serving.protocol import MAX_LOGPROBS
 from nanoserve.serving.proxy import add_proxy_flags
 from nanoserve.serving.proxy import run as run_proxy
 from nanoserve.serving.structured import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("nanoserve.serving")
+
+
+# The chapters a request asks for, off in LLM(...), on at the server, so that its OpenAI API serves
+# logprobs, structured outputs and use_beam_search as vLLM's does. Structured outputs need xgrammar
+# (an optional extra): on where it is installed.
+SERVE_DEFAULTS = {"max_logprobs": MAX_LOGPROBS,
+                  "enable_structured_outputs": importlib.util.find_spec("xgrammar") is not None,
+                  "enable_beam_search": True}
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -44,10 +56,11 @@ def add_engine_flags(parser: argparse.ArgumentParser) -> None:
     for name, (cls, switch) in CHAPTER_RECORDS.items():
         group = parser.add_argument_group(f"{cls.__name__} options (Config.{name}), vLLM's names")
         if switch in SWITCHES:
-            add_flag(group, switch, bool, False, SWITCHES[switch])
+            add_flag(group, switch, bool, SERVE_DEFAULTS.get(switch, False), SWITCHES[switch])
         comments = field_comments(cls)
         for f in fields(cls):
-            add_flag(group, f.name, f.type, f.default, comments.get(f.name, ""))
+            add_flag(group, f.name, f.type, SERVE_DEFAULTS.get(f.name, f.default),
+                     comments.get(f.name, ""))
 
 
 def add_flag(group, name: str, kind, default, comment: str) -> None:

@@ -75,7 +75,8 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
     queues = scheduler.queues()
     queues.setdefault("swapped", [])  # (the swap chapter's third queue; empty without it)
     # The swap chapter's pool in host memory, if plugged in.
-    host = scheduler.host_block_manager if isinstance(scheduler, SwapScheduler) else None
+    host = (scheduler.host_block_manager if isinstance(scheduler, SwapScheduler) and scheduler.swap
+            else None)
     holders: dict[int, list[int]] = {}  # device block -> the sequences whose block table holds it
     host_holders: dict[int, list[int]] = {}  # the same in the host pool, for the swapped-out sequences
     for where, queue in ((holders, scheduler.running), (host_holders, queues["swapped"])):

@@ -59,11 +59,10 @@ class ServedModels:
         """Load an adapter under a new name; a ValueError names what is wrong (the name, or the folder)."""
         if name == self.base_model_name or name in self.lora_requests:
             raise ValueError(f"lora_name: the model `{name}` is already served")
-        check = self.core.seams.request_checks.get("lora_request")  # (the engine's seam; none without enable_lora)
-        if check is None:
+        if self.core.config.lora_config is None:
             raise ValueError("lora_name: this server serves no adapters; start it with --enable-lora")
         lora = LoRARequest(name, next(self.lora_ids), path)
-        check(lora)  # reads the folder, or names what is wrong with it
+        self.core.add_lora(lora)  # (LoRAEngineCore's) reads the folder, or says what is wrong
         self.lora_requests[name] = lora
         return lora
 

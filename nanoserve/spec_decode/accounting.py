@@ -6,8 +6,7 @@ verification emits a + 1 tokens: the a drafts accepted and one more from the tar
 drafts was written but is wrong for what follows, so the scheduler rolls num_computed_tokens back over them and
 BlockManager.truncate gives their blocks back (accept_run, the scheduler's accept_lookahead seam).
 """
-from nanoserve.engine.scheduler import Scheduler
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 

@@ -22,8 +22,8 @@ from collections.abc import Callable
 
 import torch
 
-from nanoserve.engine.input_batch import InputBuilder, ModelInput, to_device
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.model_runner import InputBuilder, ModelInput, to_device
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.utils.math import token_slots

@@ -1,6 +1,6 @@
 """Structured outputs in the engine (vLLM's StructuredOutputManager): the three seams a grammar uses.
 
-It plugs in with the first request that asks for structured outputs (nanoserve/chapters.py):
+It plugs in when the engine is built with enable_structured_outputs=True (nanoserve/chapters.py):
 1. `add_request` (the request_options seam): the request's spec is compiled (once per distinct spec:
    grammar.py caches it), off the step path, and each of its n sequences gets a matcher of its own
    (`seq.grammar`), which lives on the sequence: preemption, by recompute or swap, leaves it as it is.
@@ -18,7 +18,7 @@ import torch
 
 from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import EngineCoreOutput
-from nanoserve.engine.scheduler_output import SchedulerOutput
+from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.structured_output.grammar import GrammarCompiler, allocate_bitmask
 
@@ -30,7 +30,8 @@ def has_grammar(seq: Sequence) -> bool:
 class StructuredOutputManager:
     def __init__(self, engine: EngineCore):
         if engine.tokenizer is None:
-            raise ValueError("structured_outputs: this model folder has no tokenizer to build the grammar's mask")
+            raise ValueError("enable_structured_outputs: this model folder has no tokenizer "
+                             "to build the grammar's mask")
         self.scheduler = engine.scheduler
         # the model's logits' width (may exceed the tokenizer's: those never pass); EOS ends a complete grammar
         self.vocab_size = engine.config.hf_config.vocab_size

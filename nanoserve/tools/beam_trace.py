@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"folder for beam.txt, beam_blocks.png (default: "
                         f"{DEFAULT_OUT}, which git ignores)")
     args = parser.parse_args(argv)
-    llm = LLM(args.model, trace=True, block_size=4, max_model_len=128, device="cpu")
+    llm = LLM(args.model, trace=True, block_size=4, max_model_len=128, device="cpu",
+              enable_beam_search=True)
     params = BeamSearchParams(beam_width=args.beam_width, max_tokens=args.max_tokens)
     out = llm.beam_search([args.prompt], params, use_tqdm=False)[0]
     title = (f"beam search, width {args.beam_width}, on {args.prompt!r} ({len(out.prompt_token_ids)} tokens), "

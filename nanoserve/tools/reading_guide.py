@@ -45,6 +45,17 @@ def plain_request_files(model: str | None = None) -> list[str]:
                                           use_tqdm=False))
 
 
+def decode_step_files(model: str | None = None) -> list[str]:
+    """The files one decode step of a plain greedy request runs: `engine.step()` after its prefill."""
+    from nanoserve import LLM, SamplingParams
+
+    engine = LLM(model).engine
+    prompt = engine.tokenizer.encode("Hello, my name is")
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, max_tokens=8))
+    engine.step()  # the prefill
+    return files_run(engine.step)
+
+
 def non_blank_lines(path: str) -> int:
     return sum(1 for line in (REPO / path).read_text().splitlines() if line.strip())
 
@@ -58,4 +69,7 @@ def table(files: list[str]) -> str:
 
 
 if __name__ == "__main__":
-    print(table(plain_request_files(sys.argv[1] if len(sys.argv) > 1 else None)))
+    model = sys.argv[1] if len(sys.argv) > 1 else None
+    print(table(plain_request_files(model)))
+    decode = decode_step_files(model)
+    print(f"\nOne decode step runs {len(decode)} files: " + ", ".join(f"`{f}`" for f in decode))
