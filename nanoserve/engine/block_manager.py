@@ -67,6 +67,16 @@ class BlockManager:
             hit_ids.append(block_id)
         return hit_ids
 
+    def num_offloaded_blocks(self) -> tuple[int, int]:
+        """A second tier's books (the step records show them): its blocks holding an evicted
+        cached block's KV, and all its blocks; none here (kv_offload/'s block manager has one)."""
+        return 0, 0
+
+    def num_skipped_blocks(self) -> int:
+        """Blocks handed back from running sequences' tables so far, null_block in their place
+        (vLLM's skipped blocks: those behind a window). None here: a sequence holds its blocks."""
+        return 0
+
     def cached_block_id(self, block_hash: int, token_ids: list[int]) -> int | None:
         """The block holding the KV of token_ids under block_hash,
         if cached (its tokens checked too)."""

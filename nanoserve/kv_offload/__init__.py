@@ -161,6 +161,11 @@ class HostTierBlockManager(BlockManager):
         seq.num_cached_tokens = seq.num_computed_tokens = seq.num_computed_tokens + num_host_tokens
         return True
 
+    def num_offloaded_blocks(self) -> tuple[int, int]:
+        if self.host_tier is None:
+            return super().num_offloaded_blocks()
+        return len(self.host_tier.cached), self.host_tier.num_blocks
+
     def _host_hits(self, seq: Sequence, start: int) -> list[int]:
         """Hashes of the blocks the host tier holds from block `start` on, in a row."""
         hashes = []
