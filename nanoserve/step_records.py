@@ -13,6 +13,7 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
+from nanoserve.kv_offload import HostTierSchedulerOutput
 from nanoserve.lora.engine import LoRAScheduler
 from nanoserve.scheduling.swap import SwapSchedulerOutput
 from nanoserve.spec_decode.scheduler import SpecDecodeSchedulerOutput
@@ -106,6 +107,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
     swapped_in_blocks = {device_block for _, device_block in swap_ins}
     bm = scheduler.block_manager
     num_host_cached_blocks, num_host_blocks = bm.num_offloaded_blocks()  # (kv_offload/'s host tier)
+    tier_plan = isinstance(out, HostTierSchedulerOutput)  # (kv_offload/'s: the tier's copies)
     # the swap chapter's third queue (scheduling/swap.py)
     swapped_queue = scheduler.queues().get("swapped", [])
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running,
@@ -131,7 +133,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
         block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
         blocks_copied=list(out.blocks_to_copy),
         forked=list(out.forked_beams), dropped=list(out.dropped_beams),
-        blocks_offloaded=list(out.blocks_to_offload), blocks_loaded=list(out.blocks_to_load),
+        blocks_offloaded=list(out.blocks_to_offload) if tier_plan else [],
+        blocks_loaded=list(out.blocks_to_load) if tier_plan else [],
         num_host_cached_blocks=num_host_cached_blocks, num_host_blocks=num_host_blocks,
         num_freed_behind_window=bm.num_skipped_blocks(),
     )

@@ -34,16 +34,8 @@ class SchedulerOutput:
 
     rows: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Block moves, each a pair: copy-on-write copies (source, destination), kv_offload/'s evictions
-    # (device, host) and its hits loaded back (host, device).
+    # Block moves, each a pair: copy-on-write copies (source, destination).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
-    # The executor's failed offloads and loads, with why (a failed load's block has no KV).
-    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    # kv_transfer/: the step's KV loads and saves for another engine
-    kv_connector_metadata: object = None
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
     # What the step's output did, for its record (nanoserve/step_records.py): the logits rows of
     # sequences with raw_logits (beam search), in order; beam search's forked beams (new beam, its
@@ -113,7 +105,7 @@ class Scheduler:
         self.stats.num_steps += 1
         out = self.output_class()
         self._plan(out)
-        for after_schedule in self.seams.after_schedule:  # e.g. the host tier adds its copies
+        for after_schedule in self.seams.after_schedule:  # hooks that add to the plan
             after_schedule(out)
         self.stats.num_prefill_steps += out.is_prefill
         for row in out.rows:
