@@ -57,7 +57,12 @@ from nanoserve.spec_decode import (
     SpecDecodeScheduler,
     SpecDecodeSchedulerOutput,
 )
+from nanoserve.spec_decode.proposer import propose_drafts
 from nanoserve.step_records import StepRecord, StepRecordsEngineCore
+from nanoserve.structured_output.manager import (
+    StructuredOutputsEngineCore,
+    StructuredOutputsScheduler,
+)
 
 
 # ---- the composites: each part's chapters, in the order their overrides run ----------------------
@@ -67,8 +72,9 @@ class ChaptersSchedulerOutput(SpecDecodeSchedulerOutput, KVTransferSchedulerOutp
     """The plan with every chapter's fields."""
 
 
-class ChaptersScheduler(SpecDecodeScheduler, KVTransferScheduler, HostTierScheduler, AsyncScheduler,
-                        PriorityScheduler, SwapScheduler, LoRAScheduler, Scheduler):
+class ChaptersScheduler(SpecDecodeScheduler, StructuredOutputsScheduler, KVTransferScheduler,
+                        HostTierScheduler, AsyncScheduler, PriorityScheduler, SwapScheduler,
+                        LoRAScheduler, Scheduler):
     output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -77,6 +83,13 @@ class ChaptersScheduler(SpecDecodeScheduler, KVTransferScheduler, HostTierSchedu
         newcomer and take its blocks back)."""
         if not self.swapped:
             super()._preempt_for_priority(out)
+
+    def propose_drafts(self) -> None:
+        """Where speculative decoding meets structured outputs: a grammar keeps the drafts it
+        allows."""
+        manager = self.structured_output_manager
+        propose_drafts(self.running, self.speculative_config,
+                       None if manager is None else manager.grammar)
 
 
 class ChaptersBlockManager(KVTransferBlockManager, HostTierBlockManager, BlockManager):
@@ -98,8 +111,8 @@ class ChaptersExecutor(SpecDecodeExecutor, KVTransferExecutor, HostTierExecutor,
 
 
 class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, SpecDecodeEngineCore,
-                         KVTransferEngineCore, HostTierEngineCore, PriorityEngineCore,
-                         BatchQueueEngineCore):
+                         StructuredOutputsEngineCore, KVTransferEngineCore, HostTierEngineCore,
+                         PriorityEngineCore, BatchQueueEngineCore):
     """(The records' core records a step once every chapter after it took it in; LoRA's comes
     first so that it forgets an ended request's adapter only once the step is recorded.)"""
 
@@ -163,12 +176,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.logprobs import plug_in as plug_in_logprobs
 
         plug_in_logprobs(engine)
-    if config.structured_outputs_config is not None:  # structured outputs: structured_output/
-        from nanoserve.structured_output.manager import StructuredOutputManager
-
-        manager = StructuredOutputManager.plug_in(engine)
-        seams.request_checks["structured_outputs"] = lambda spec: None  # (checked when made)
-        seams.request_options["structured_outputs"] = manager.add_request  # compiled at add
     if config.beam_search_config is not None:  # beam search: beam_search/
         from nanoserve.beam_search.scheduler import BeamScheduler
 

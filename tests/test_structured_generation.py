@@ -72,7 +72,7 @@ def test_fifty_json_schema_requests_all_validate(llm):
         completion = output.outputs[0]
         assert completion.finish_reason == "stop", completion.text
         jsonschema.validate(json.loads(completion.text), SCHEMAS[i // len(PROMPTS)])
-    compiler = llm.engine.seams.features["structured_outputs"].compiler
+    compiler = llm.engine.structured_output_manager.compiler
     assert compiler.num_compiled >= len(SCHEMAS)  # once per distinct schema
 
 
@@ -104,7 +104,7 @@ def test_every_sampled_token_is_allowed_at_its_position(llm):
     grammar = 'root ::= ("ab" | "cd" | " x")+ "."'
     params = structured("grammar", grammar, temperature=2.0, n=4, seed=0, max_tokens=40)
     outputs = llm.generate(["Letters:", "Go"], params, use_tqdm=False)
-    compiler = llm.engine.seams.features["structured_outputs"].compiler
+    compiler = llm.engine.structured_output_manager.compiler
     for completion in (c for o in outputs for c in o.outputs):
         matcher = compiler.matcher(StructuredOutputsParams(grammar=grammar))
         for token_id in completion.token_ids:
@@ -207,7 +207,7 @@ def test_speculative_decoding_masks_each_drafted_position(converted, llm):
     params.append(SamplingParams(temperature=0, max_tokens=24))
     sampled = spec_llm.generate(prompts, params, use_tqdm=False)
     for completion in (c for o in sampled[:2] for c in o.outputs):
-        replay(spec_llm.engine.seams.features["structured_outputs"].compiler, StructuredOutputsParams(grammar=grammar),
+        replay(spec_llm.engine.structured_output_manager.compiler, StructuredOutputsParams(grammar=grammar),
                completion.token_ids)
         assert completion.finish_reason == "length" or re.fullmatch(r"(ab|cd| x)+\.", completion.text)
     assert spec_llm.stats.spec_decoding.num_accepted_tokens > accepted

@@ -56,8 +56,6 @@ class Sequence:
         self.finish_reason: str | None = None
         # its request picks its own tokens from the raw logits (beam search): none drawn
         self.raw_logits = False
-        # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
-        self.grammar = None
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
         # Filled by the model runner if asked: one dict per output token, one per prompt token.
