@@ -55,9 +55,7 @@ class BlockManager:
         """Block ids of seq's longest cached prefix (token-checked),
         then hashes of the second tier's next blocks."""
         hit_ids, tier_hashes, tier = [], [], self.seams.kv_cache_tier
-        # A request for prompt_logprobs computes its whole prompt: cached tokens would get no
-        # logits (vLLM V1).
-        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+        if not self.caches_prefix(seq):
             return hit_ids, tier_hashes
         # (The last token is always computed: it needs logits.)
         for i, prefix_hash in enumerate(seq.block_hashes[: (len(seq) - 1) // self.block_size]):
@@ -69,6 +67,10 @@ class BlockManager:
             else:
                 break
         return hit_ids, tier_hashes
+
+    def caches_prefix(self, seq: Sequence) -> bool:
+        """May seq's prompt reuse cached blocks? With prefix caching on."""
+        return self.enable_prefix_caching
 
     def cached_block_id(self, block_hash: int, token_ids: list[int]) -> int | None:
         """The block holding the KV of token_ids under block_hash,

@@ -69,7 +69,7 @@ class SlidingWindowBlockManager(BlockManager):
         uncomputed token reads (the last ceil((W - 1) / block_size) of them) are cached; those before it may be
         gone, and are null blocks in the table. The longest such prefix; no second tier
         (window_block_manager refuses one)."""
-        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+        if not self.caches_prefix(seq):
             return [], []
         hashes = seq.block_hashes[: (len(seq) - 1) // self.block_size]  # (the last token needs logits)
         cached = [self.cached_block_id(h, seq.block(i)) for i, h in enumerate(hashes)]
