@@ -22,6 +22,21 @@ from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.seams import Seams
+from nanoserve.engine.sequence import Sequence
+from nanoserve.kv_offload import (
+    HostTierBlockManager,
+    HostTierEngineCore,
+    HostTierExecutor,
+    HostTierScheduler,
+    HostTierSchedulerOutput,
+)
+from nanoserve.kv_transfer import (
+    KVTransferBlockManager,
+    KVTransferEngineCore,
+    KVTransferExecutor,
+    KVTransferScheduler,
+    KVTransferSchedulerOutput,
+)
 from nanoserve.logprobs import (
     LogprobsBlockManager,
     LogprobsEngineCore,
@@ -40,16 +55,25 @@ from nanoserve.scheduling.priority import PriorityEngineCore, PriorityScheduler
 from nanoserve.scheduling.swap import SwapExecutor, SwapScheduler, SwapSchedulerOutput
 from nanoserve.scheduling.swap import plug_in as plug_in_swap
 from nanoserve.sliding_window import SlidingWindowBlockManager, frees_blocks, window_block_manager
+from nanoserve.spec_decode import (
+    SpecDecodeEngineCore,
+    SpecDecodeExecutor,
+    SpecDecodeModelRunner,
+    SpecDecodeScheduler,
+    SpecDecodeSchedulerOutput,
+)
 from nanoserve.step_records import StepRecord, StepRecordsEngineCore
 
 
 # ---- the composites: each part's chapters, in the order their overrides run ----------------------
 @dataclass
-class ChaptersSchedulerOutput(SwapSchedulerOutput, SchedulerOutput):
+class ChaptersSchedulerOutput(SpecDecodeSchedulerOutput, KVTransferSchedulerOutput,
+                              HostTierSchedulerOutput, SwapSchedulerOutput, SchedulerOutput):
     """The plan with every chapter's fields."""
 
 
-class ChaptersScheduler(AsyncScheduler, PriorityScheduler, SwapScheduler, LoRAScheduler, Scheduler):
+class ChaptersScheduler(SpecDecodeScheduler, KVTransferScheduler, HostTierScheduler, AsyncScheduler,
+                        PriorityScheduler, SwapScheduler, LoRAScheduler, Scheduler):
     output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -60,8 +84,10 @@ class ChaptersScheduler(AsyncScheduler, PriorityScheduler, SwapScheduler, LoRASc
             super()._preempt_for_priority(out)
 
 
-class ChaptersBlockManager(LogprobsBlockManager, BlockManager):
-    pass
+class ChaptersBlockManager(LogprobsBlockManager, KVTransferBlockManager, HostTierBlockManager,
+                           BlockManager):
+    """(Disaggregated prefill's allocate calls super() first: the KV it receives continues the
+    prefix that the device and the host tier hold.)"""
 
 
 class ChaptersWindowBlockManager(LogprobsBlockManager, SlidingWindowBlockManager):
@@ -73,17 +99,30 @@ class ChaptersInputBuilder(LogprobsInputBuilder, InputBatch):
     pass
 
 
-class ChaptersModelRunner(LogprobsModelRunner, LoRAModelRunner, ModelRunner):
+class ChaptersModelRunner(LogprobsModelRunner, SpecDecodeModelRunner, LoRAModelRunner,
+                          ModelRunner):
     pass
 
 
-class ChaptersExecutor(SwapExecutor, LoRAExecutor, MultiprocExecutor):
+class ChaptersExecutor(SpecDecodeExecutor, KVTransferExecutor, HostTierExecutor, SwapExecutor,
+                       LoRAExecutor, MultiprocExecutor):
     pass
 
 
-class ChaptersEngineCore(StepRecordsEngineCore, LogprobsEngineCore, PriorityEngineCore,
-                         LoRAEngineCore, BatchQueueEngineCore):
-    """(The records' core first: it records a step last, once every other chapter took it in.)"""
+class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, LogprobsEngineCore,
+                         SpecDecodeEngineCore, KVTransferEngineCore, HostTierEngineCore,
+                         PriorityEngineCore, BatchQueueEngineCore):
+    """(The records' core records a step once every chapter after it took it in; LoRA's comes
+    first so that it forgets an ended request's adapter only once the step is recorded.)"""
+
+    def seqs_holding(self, block_ids: set[int]) -> list[Sequence]:
+        """Where the host tier meets swap and async scheduling: a step planned since the one whose
+        loads failed may have swapped a holder of their blocks out, the bad KV with it; its
+        swap-outs name the holder's blocks in the swap pool."""
+        moved = {host for planned, _ in self.batch_queue
+                 for device, host in planned.blocks_to_swap_out if device in block_ids}
+        return super().seqs_holding(block_ids) + [
+            seq for seq in self.scheduler.swapped if not moved.isdisjoint(seq.block_table)]
 
 
 def asks_for_chapters(config: Config) -> bool:
@@ -127,18 +166,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
     """The chapters the config asks for, once the engine is built, and those a request may ask
     for."""
     config, seams = engine.config, engine.seams
-    if config.speculative_config is not None:  # speculative decoding: spec_decode/
-        from nanoserve.spec_decode import plug_in
-
-        plug_in(engine)
-    if config.kv_offload_config is not None:  # the prefix cache's host tier: kv_offload/
-        from nanoserve.kv_offload import plug_in as plug_in_host_tier
-
-        plug_in_host_tier(engine)
-    if config.kv_transfer_config is not None:  # disaggregated prefill: kv_transfer/
-        from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
-
-        plug_in_kv_transfer(engine)
     # The chapters a request asks for: plugged in when the config asks; a request asking for one the
     # engine lacks is refused by name (EngineCore.check_request, sampling_params.FEATURE_OPTIONS).
     if config.structured_outputs_config is not None:  # structured outputs: structured_output/

@@ -86,8 +86,8 @@ class LogprobsModelRunner(ModelRunner):
         token sampled from that row, appended to seq's list; else prompt token p, put at p. A
         request that left (finished or aborted with a step in flight) has no records to fill."""
         sampled = sampled.tolist()  # a row that emitted nothing (-1: past a rejected draft): none
-        places = [(seq, p, row) for seq, p, row in places
-                  if (p is not None or sampled[row] >= 0) and seq.request_id in self.sample_logprobs]
+        places = [(seq, p, row) for seq, p, row in places if (p is not None or sampled[row] >= 0)
+                  and seq.request_id in self.sample_logprobs]
         if not places:
             return
         token_ids = [sampled[row] if p is None else seq.token_ids[p] for seq, p, row in places]
@@ -169,10 +169,10 @@ class LogprobsEngineCore(EngineCore):
 
 
 class LogprobsBlockManager(BlockManager):
-    def caches_prefix(self, seq: Sequence) -> bool:
+    def prefix_hashes(self, seq: Sequence) -> list[int]:
         """A request for prompt_logprobs computes its whole prompt: cached tokens would get no
         logits (vLLM V1)."""
-        return super().caches_prefix(seq) and seq.sampling_params.prompt_logprobs is None
+        return [] if seq.sampling_params.prompt_logprobs is not None else super().prefix_hashes(seq)
 
 
 def compute_logprobs(logits: torch.Tensor, token_ids: torch.Tensor,

@@ -81,9 +81,7 @@ class InputBatch(InputBuilder):
         positions = np.arange(len(owner)) - cu_q[owner] + starts[owner]
         token_rows = rows[owner]
         input_ids = self.token_ids[token_rows, positions]
-        num_drafts = np.array([len(seq.spec_token_ids)
-                               for seq in seqs] if out.scheduled_spec_decode_tokens
-                              else np.zeros(n), np.int64)
+        num_drafts = np.array([len(seq.spec_token_ids) for seq in seqs], np.int64)
         known = np.array(self.num_tokens)[rows] + num_drafts
         # async scheduling: filled in on the device
         placeholders = np.flatnonzero(positions >= known[owner])

@@ -13,8 +13,10 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
+from nanoserve.kv_offload import HostTierSchedulerOutput
 from nanoserve.lora.engine import LoRAScheduler
 from nanoserve.scheduling.swap import SwapSchedulerOutput
+from nanoserve.spec_decode.scheduler import SpecDecodeSchedulerOutput
 
 
 @dataclass
@@ -84,7 +86,9 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
     """Read a step off its plan and what it left: who finished (of the sequences postprocess
     updated), the queues, the KV pool. With async scheduling these are read when the output comes
     in, the next step planned."""
-    drafts = out.scheduled_spec_decode_tokens
+    speculating = isinstance(out, SpecDecodeSchedulerOutput)  # speculative_config (spec_decode/)
+    drafts, accepted = ((out.scheduled_spec_decode_tokens, out.num_accepted_tokens) if speculating
+                        else ({}, {}))
     loras = scheduler.lora_manager if isinstance(scheduler, LoRAScheduler) else None  # enable_lora
     lora_names = {} if loras is None else {seq.seq_id: lora.lora_name for seq in out.seqs
                                            if (lora := loras.lora_request(seq)) is not None}
@@ -92,8 +96,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
                                   num_tokens=row.num_tokens, start=row.start, sampled=row.do_sample,
                                   is_decode=out.is_decode(row),
                                   spec_token_ids=drafts.get(row.seq.seq_id, []),
-                                  num_accepted_tokens=out.num_accepted_tokens.get(row.seq.seq_id,
-                                                                                  0),
+                                  num_accepted_tokens=accepted.get(row.seq.seq_id, 0),
                                   lora_name=lora_names.get(row.seq.seq_id))
                  for row in out.rows]
     decodes = [r.is_decode for r in scheduled]
@@ -104,6 +107,7 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
     swapped_in_blocks = {device_block for _, device_block in swap_ins}
     bm = scheduler.block_manager
     num_host_cached_blocks, num_host_blocks = bm.num_offloaded_blocks()  # (kv_offload/'s host tier)
+    tier_plan = isinstance(out, HostTierSchedulerOutput)  # (kv_offload/'s: the tier's copies)
     # the swap chapter's third queue (scheduling/swap.py)
     swapped_queue = scheduler.queues().get("swapped", [])
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running,
@@ -129,7 +133,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
         block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
         blocks_copied=list(out.blocks_to_copy),
         forked=list(out.forked_beams), dropped=list(out.dropped_beams),
-        blocks_offloaded=list(out.blocks_to_offload), blocks_loaded=list(out.blocks_to_load),
+        blocks_offloaded=list(out.blocks_to_offload) if tier_plan else [],
+        blocks_loaded=list(out.blocks_to_load) if tier_plan else [],
         num_host_cached_blocks=num_host_cached_blocks, num_host_blocks=num_host_blocks,
         num_freed_behind_window=bm.num_skipped_blocks(),
     )

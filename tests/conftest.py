@@ -207,15 +207,13 @@ def start_server(args: list[str], log: Path, env: dict | None = None, module: st
 
 
 def make_scheduler(config, block_manager, host_block_manager=None, seams=None):
-    """The scheduler an engine with `config` has (the core's, or with the swap and priority chapters:
-    nanoserve/chapters.py), over these pools, with speculative decoding's rollback when the config asks for it."""
+    """The scheduler an engine with `config` has (the core's, or with the swap, priority and speculative
+    decoding chapters: nanoserve/chapters.py), over these pools."""
     from nanoserve.chapters import ChaptersScheduler
     from nanoserve.engine.block_manager import BlockManager
     from nanoserve.engine.seams import Seams
-    from nanoserve.spec_decode.accounting import accept_run
 
     seams = Seams() if seams is None else seams
-    seams.accept_lookahead = seams.accept_lookahead or accept_run
     scheduler = ChaptersScheduler(config, block_manager, seams)
     if config.scheduler_config.preemption_mode == "swap":
         scheduler.host_block_manager = host_block_manager or BlockManager(0, config.block_size, False)

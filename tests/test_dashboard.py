@@ -570,7 +570,7 @@ def test_page_shows_the_host_tier(tiny_models, tmp_path):
     for _ in range(2):  # the second round finds the evicted blocks on the host
         for prompt in prompts:
             llm.generate([prompt], GREEDY, use_tqdm=False)
-    state, stats, tier = states[-1], llm.stats, llm.engine.seams.kv_cache_tier
+    state, stats, tier = states[-1], llm.stats, llm.engine.host_tier
     assert state["host_tier"] == dict(cached=len(tier.cached), num_blocks=tier.num_blocks)
     assert tier.num_blocks == 40 and 0 < len(tier.cached) < 40 and stats.num_host_cached_tokens > 0
     body = event("config", page_config(llm.engine.config, "tiny")) + "retry: 600000\n\n" + event(

@@ -7,6 +7,7 @@ import torch
 from test_reading_guide import files_run
 from test_scheduling_random import next_token, random_case
 
+from conftest import make_scheduler
 from nanoserve import LLM
 from nanoserve.beam_search.scheduler import beam_rows
 from nanoserve.chapters import ChaptersInputBuilder
@@ -16,8 +17,8 @@ from nanoserve.engine.sequence import Sequence
 from nanoserve.logprobs import LogprobsInputBuilder
 from nanoserve.persistent_batch import InputBatch
 from nanoserve.sampling_params import SamplingParams
-from nanoserve.spec_decode.accounting import accept_run
 from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
+from nanoserve.speculative_config import SpeculativeConfig
 
 BS, VOCAB, EOS = 4, 100, 2
 BUILDERS = ["plain", "persistent"]
@@ -140,8 +141,17 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
         p.min_p, p.min_tokens = rng.choice([0.0, 0.1]), rng.choice([0, 0, 2])
         p.presence_penalty, p.repetition_penalty = rng.choice([0.0, 0.0, 0.5]), rng.choice([1.0, 1.0, 1.2])
 
-    kept, num_steps, drafts = builder("persistent", config.block_size), 0, seed % 2 == 1
-    scheduler.seams.accept_lookahead = accept_run  # speculative decoding's rollback, as its chapter plugs it in
+    kept, num_steps = builder("persistent", config.block_size), 0
+    if seed % 2 == 1:  # speculative decoding's scheduler, its proposer replaced by random drafts
+        config.speculative_config = SpeculativeConfig(method="ngram", num_speculative_tokens=3)
+        scheduler = make_scheduler(config, scheduler.block_manager, getattr(scheduler, "host_block_manager", None))
+
+        def propose_drafts() -> None:  # as the proposer sets them: for decoding sequences
+            for seq in scheduler.running:
+                if seq.num_computed_tokens == len(seq.token_ids) - 1:
+                    seq.spec_token_ids = [rng.randint(3, 9) for _ in range(rng.randint(0, 3))]
+
+        scheduler.propose_drafts = propose_drafts
     for t in range(10_000):
         while requests and requests[0][0] <= t:
             scheduler.add(requests.pop(0)[1])
@@ -149,9 +159,6 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
             if not requests:
                 break
             continue
-        for seq in scheduler.running if drafts else []:  # as the proposer sets them: for decoding sequences
-            if seq.num_computed_tokens == len(seq.token_ids) - 1:
-                seq.spec_token_ids = [rng.randint(3, 9) for _ in range(rng.randint(0, 3))]
         out = scheduler.schedule()
         if out.seqs:
             inputs = as_lists(kept.prepare_inputs(out))
@@ -160,7 +167,8 @@ def test_persistent_rows_equal_a_fresh_build_through_random_traffic(tiny_models,
             num_steps += 1
         token_ids = []
         for seq, do_sample, forks in ((r.seq, r.do_sample, r.forks) for r in out.rows):
-            lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, []) if do_sample else []
+            drafts = getattr(out, "scheduled_spec_decode_tokens", {})
+            lookahead = drafts.get(seq.seq_id, []) if do_sample else []
             if lookahead:  # a random accepted run, then the verifier's token; placeholders for the rejected rest
                 run = lookahead[: rng.randint(0, len(lookahead))]
                 rejected = [PLACEHOLDER_TOKEN_ID] * (len(lookahead) - len(run))

@@ -52,7 +52,7 @@ def check_on_equals_off_equals_transformers(path: str, params: SamplingParams, *
     assert stats.num_offloaded_blocks > 0 and stats.num_loaded_blocks > 0
     assert 0 < stats.num_host_cached_tokens <= stats.num_cached_tokens
     assert pool.num_free_blocks == pool.num_blocks
-    num_offload_blocks = llm.engine.seams.kv_cache_tier.num_blocks
+    num_offload_blocks = llm.engine.host_tier.num_blocks
     del llm, pool  # (a tensor-parallel engine's ranks must be gone before the next one starts)
     gc.collect()
     llm = tight_llm(path, False, **options)
@@ -114,7 +114,7 @@ def test_needs_prefix_caching(tiny_models):
 
 def test_off_plugs_nothing_in(tiny_models):
     llm = LLM(tiny_models["qwen3"], num_kvcache_blocks=16)
-    assert llm.engine.seams.kv_cache_tier is None and not llm.engine.model_runner.kv_pools
+    assert getattr(llm.engine, "host_tier", None) is None and not llm.engine.model_runner.kv_pools
 
 
 def test_host_pool_is_block_first_and_copies_round_trip(tiny_models):
@@ -193,12 +193,12 @@ def fail_copies(monkeypatch, llm: LLM, fails) -> list[int]:
 def check_books_agree(llm: LLM) -> None:
     """No block leaked; each device hash names its block; each host block is free or cached once, none of the
     cached ones lost its KV."""
-    bm, tier = llm.engine.block_manager, llm.engine.seams.kv_cache_tier
+    bm, tier = llm.engine.block_manager, llm.engine.host_tier
     assert bm.num_free_blocks == bm.num_blocks
     assert all(bm.blocks[block_id].hash == h for h, block_id in bm.hash_to_block_id.items())
     host_ids = [host_id for host_id, _ in tier.cached.values()]
     assert sorted(host_ids + tier.free_block_ids) == list(range(tier.num_blocks))
-    assert tier.lost_blocks.isdisjoint(host_ids)
+    assert llm.engine.executor.lost_blocks.isdisjoint(host_ids)
 
 
 def two_turns(path: str, **options) -> tuple[LLM, list[list[int]], list[list[int]]]:
@@ -223,7 +223,7 @@ def test_failed_load_fails_only_the_requests_that_needed_it(tiny_models, monkeyp
     copy's error, the others of the same step answer as with the tier off, and the block is forgotten by both
     tiers, so the same prompt, sent again, is recomputed and answered right."""
     llm, second, expected = two_turns(tiny_models["qwen3"], async_scheduling=asynchronous, trace=True)
-    bm, tier = llm.engine.block_manager, llm.engine.seams.kv_cache_tier
+    bm, tier = llm.engine.block_manager, llm.engine.host_tier
     # A block only conversation c has, on the host and not on the device, after blocks a lookup finds.
     chains = [block_hashes(p) for p in second]
     c, target = next((c, h) for c, chain in enumerate(chains) for i, h in enumerate(chain)
@@ -248,7 +248,7 @@ def test_failed_offload_costs_only_the_host_copy(tiny_models, monkeypatch):
     """Every offload of conversation 0's own blocks fails: no request fails, all answers equal the tier-off ones,
     and the host tier holds none of those blocks (they are recomputed), while it still serves the others."""
     llm, second, expected = two_turns(tiny_models["qwen3"])
-    tier = llm.engine.seams.kv_cache_tier
+    tier = llm.engine.host_tier
     own = set(block_hashes(second[0])).difference(*map(block_hashes, second[1:]))
     host_hash = lambda host_id: next(h for h, (i, _) in tier.cached.items() if i == host_id)  # noqa: E731
     failed = fail_copies(monkeypatch, llm, lambda src, dst, offloading: offloading and host_hash(dst) in own)
@@ -262,7 +262,7 @@ def test_a_lost_host_block_loads_nothing(tiny_models, monkeypatch):
     """copy_tier_blocks: a host block whose offload failed fails every load from it, in that step or a later
     one planned before the tier heard (async scheduling), until an offload into it succeeds."""
     llm = tight_llm(tiny_models["qwen3"], True)
-    runner, lost = llm.engine.model_runner, llm.engine.seams.kv_cache_tier.lost_blocks
+    runner, lost = llm.engine.model_runner, llm.engine.executor.lost_blocks
     failed = fail_copies(monkeypatch, llm, lambda src, dst, offloading: offloading and dst == 5)
     offloads = copy_tier_blocks(runner, [(1, 5), (2, 6)], True, lost)
     loads = copy_tier_blocks(runner, [(5, 3), (6, 4)], False, lost)

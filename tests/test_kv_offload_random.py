@@ -10,18 +10,16 @@ from test_scheduling_random import check_books, check_step, next_token, random_c
 
 from conftest import make_scheduler
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence, compute_hash
-from nanoserve.kv_offload import HostKVTier
+from nanoserve.kv_offload import HostKVTier, HostTierBlockManager, HostTierSchedulerOutput
 from nanoserve.sampling_params import SamplingParams
 
 NUM_CASES = 120
 
 
-def move_kv(kv: dict, swap_kv: dict, host_kv: dict, out: SchedulerOutput, block_size: int) -> None:
-    """The copies the executor has the model runners make (the move_kv seam), in its order: reads of the device pool
-    first."""
+def move_kv(kv: dict, swap_kv: dict, host_kv: dict, out: HostTierSchedulerOutput, block_size: int) -> None:
+    """The copies the executor has the model runners make (Executor.copy_kv_out, then copy_kv_in), in its order:
+    reads of the device pool first."""
     for mapping, src, dst in ((out.blocks_to_swap_out, kv, swap_kv), (out.blocks_to_offload, kv, host_kv),
                               (out.blocks_to_swap_in, swap_kv, kv), (out.blocks_to_load, host_kv, kv),
                               (out.blocks_to_copy, kv, kv)):
@@ -56,16 +54,14 @@ def check_tiers(bm: BlockManager, tier: HostKVTier, kv: dict, host_kv: dict, blo
 
 def run_case(model: str, seed: int) -> tuple[int, int]:
     rng = random.Random(seed)
-    config = random_config(rng, model, (12, 40))
+    config = random_config(rng, model, (12, 40), kv_offloading_size=1.0)  # (on; sized below)
     block_size, max_model_len = config.block_size, config.max_model_len
     largest = 2 * -(-max_model_len // block_size)  # a request of n=2 at max_model_len, as check_request allows
-    seams = Seams()
-    bm = BlockManager(rng.randint(largest, 2 * largest), block_size, True, seams)
-    tier = seams.kv_cache_tier = HostKVTier(rng.randint(1, 3 * largest), None)
-    seams.after_schedule.append(tier.take_copies)  # (as kv_offload.plug_in does)
+    bm = HostTierBlockManager(rng.randint(largest, 2 * largest), block_size, True)
+    tier = bm.host_tier = HostKVTier(rng.randint(1, 3 * largest), None)  # (as HostTierEngineCore does)
     swapping = config.scheduler_config.preemption_mode == "swap"
     swap = BlockManager(rng.randint(0, largest), block_size, False) if swapping else None
-    scheduler = make_scheduler(config, bm, swap, seams)
+    scheduler = make_scheduler(config, bm, swap)
     tier.stats = scheduler.stats
     system = [rng.randint(3, 9) for _ in range(rng.randint(0, 3 * block_size))]
     # Each conversation: its history, the step its next turn arrives, the sequences of the turn in flight.
@@ -101,7 +97,7 @@ def run_case(model: str, seed: int) -> tuple[int, int]:
             if all(conv[1] == 10**9 for conv in convs):
                 break
             continue
-        out = scheduler.schedule()
+        out = scheduler.schedule()  # (HostTierScheduler.schedule: the tier's copies join the plan)
         check_step(out, config)
         move_kv(kv, swap_kv, host_kv, out, block_size)
         write_and_check_kv(kv, out, block_size)

@@ -43,7 +43,7 @@ def disaggregated(producer: LLM, consumer: LLM, prompts: list[list[int]], params
 
 
 def connector(llm: LLM):
-    return llm.engine.seams.features["kv_transfer"]
+    return llm.engine.kv_connector
 
 
 def assert_nothing_leaked(*llms: LLM) -> None:
@@ -169,6 +169,12 @@ def test_a_producer_buffer_too_small_means_recompute(tiny_models):
 def test_bad_config(tiny_models, options, message):
     with pytest.raises(ValueError, match=message):
         LLM(tiny_models["qwen3"], kv_transfer_config=options)
+
+
+def test_tensor_parallel_is_refused(tiny_models):
+    """Each rank would have to send its own share of the KV: refused before any rank starts."""
+    with pytest.raises(ValueError, match="kv_transfer_config: needs tensor_parallel_size = "):
+        LLM(tiny_models["qwen3"], tensor_parallel_size=2, kv_transfer_config=config("kv_producer", free_port()))
 
 
 def test_bad_params(tiny_models):

@@ -110,7 +110,7 @@ def test_the_check_can_fail(converted):
 
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 2})
     llm = LLM(str(converted[1]))
-    llm.engine.seams.after_step.append(lambda out, updated: propose_drafts([], spec))
+    llm.engine.seams.after_step.append(lambda out, updated: propose_drafts([], spec) or [])
     ran = files_run(lambda: llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False))
     assert "nanoserve/spec_decode/proposer.py" in ran and set(ran) != guide_core_files()
 

@@ -252,8 +252,16 @@ def test_random_accept_reject_keeps_the_books(tiny_models, seed):
     rng = random.Random(seed)
     bs, num_blocks = 4, 40
     config = Config(tiny_models["qwen3"], block_size=bs, num_kvcache_blocks=num_blocks, max_num_seqs=6,
-                    max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=64, enable_chunked_prefill=True)
+                    max_num_batched_tokens=rng.choice([8, 16, 64]), max_model_len=64, enable_chunked_prefill=True,
+                    speculative_config=ngram(5))
     scheduler = make_scheduler(config, BlockManager(num_blocks, bs))
+
+    def propose_drafts() -> None:  # random drafts, as the proposer sets them: only for decoding sequences
+        for seq in scheduler.running:
+            if seq.num_computed_tokens == len(seq.token_ids) - 1:
+                seq.spec_token_ids = [rng.randrange(3, 50) for _ in range(rng.randint(0, 5))]
+
+    scheduler.propose_drafts = propose_drafts
     seqs = []
     shared = [rng.randrange(3, 50) for _ in range(8)]
     for i in range(6):
@@ -261,9 +269,6 @@ def test_random_accept_reject_keeps_the_books(tiny_models, seed):
         seqs.append(Sequence(i, prompt, SamplingParams(max_tokens=rng.randint(4, 30), ignore_eos=True), bs))
         scheduler.add(seqs[-1])
     while not scheduler.is_finished():
-        for seq in scheduler.running:  # drafts, as the proposer would set them: only for decoding sequences
-            if seq.num_computed_tokens == len(seq.token_ids) - 1:
-                seq.spec_token_ids = [rng.randrange(3, 50) for _ in range(rng.randint(0, 5))]
         out = scheduler.schedule()
         rows = []
         for seq, do_sample in ((r.seq, r.do_sample) for r in out.rows):

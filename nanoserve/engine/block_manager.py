@@ -1,6 +1,5 @@
 from collections import deque
 
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 
 
@@ -14,17 +13,14 @@ class Block:
 
 class BlockManager:
     """A pool of KV blocks shared by reference counting. Prefix caching: a prompt reuses full
-    computed blocks by chained hash; a freed block keeps its hash until handed out again (its KV
-    may go to seams.kv_cache_tier)."""
+    computed blocks by chained hash; a freed block keeps its hash until handed out again."""
 
     # A block that stands in a table for KV nobody needs any more (vLLM's): none here.
     null_block: int | None = None
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 seams: Seams | None = None):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.seams = Seams() if seams is None else seams  # the engine's: its kv_cache_tier, if any
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}
         self.free_block_ids: deque[int] = deque(range(num_blocks))  # left end is evicted first
@@ -38,45 +34,42 @@ class BlockManager:
         its cached hash, if any, is forgotten."""
         block_id = self.free_block_ids.popleft()
         self.blocks[block_id].ref_count = 1
-        self.uncache([block_id], offload=True)
+        self.evict_cached_block(block_id)
         return block_id
 
-    def uncache(self, block_ids: list[int] | set[int], offload: bool = False) -> None:
-        """Take blocks out of the prefix cache: handed out anew (offload: KV to the second tier
-        first) or miscopied."""
+    def evict_cached_block(self, block_id: int) -> None:
+        """block_id is handed out for new tokens: the KV it cached is lost (vLLM's
+        _maybe_evict_cached_block; the host tier, kv_offload/, keeps it)."""
+        self.uncache([block_id])
+
+    def uncache(self, block_ids: list[int] | set[int]) -> None:
+        """Take blocks out of the prefix cache: handed out anew, or their KV is not valid."""
         for block in (self.blocks[b] for b in block_ids):
             if self.hash_to_block_id.get(block.hash) == block.block_id:
                 del self.hash_to_block_id[block.hash]
-                if offload and self.seams.kv_cache_tier is not None:
-                    self.seams.kv_cache_tier.offload(block.block_id, block.hash, block.token_ids)
             block.hash, block.token_ids = -1, []
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """Block ids of seq's longest cached prefix (token-checked),
-        then hashes of the second tier's next blocks."""
-        hit_ids, tier_hashes, tier = [], [], self.seams.kv_cache_tier
-        if not self.caches_prefix(seq):
-            return hit_ids, tier_hashes
-        # (The last token is always computed: it needs logits.)
-        for i, prefix_hash in enumerate(seq.block_hashes[: (len(seq) - 1) // self.block_size]):
-            block_id = self.cached_block_id(prefix_hash, seq.block(i))
-            if not tier_hashes and block_id is not None:
-                hit_ids.append(block_id)
-            elif tier is not None and tier.lookup(prefix_hash, seq.block(i)):
-                tier_hashes.append(prefix_hash)
-            else:
-                break
-        return hit_ids, tier_hashes
+    def prefix_hashes(self, seq: Sequence) -> list[int]:
+        """The hashes of seq's blocks a prefix hit may take: none without prefix caching, else every
+        full block but one holding the last token, which is always computed (it needs logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        return seq.block_hashes[: (len(seq) - 1) // self.block_size]
 
-    def caches_prefix(self, seq: Sequence) -> bool:
-        """May seq's prompt reuse cached blocks? With prefix caching on."""
-        return self.enable_prefix_caching
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids of seq's longest cached prefix (token-checked)."""
+        hit_ids = []
+        for i, prefix_hash in enumerate(self.prefix_hashes(seq)):
+            block_id = self.cached_block_id(prefix_hash, seq.block(i))
+            if block_id is None:
+                break
+            hit_ids.append(block_id)
+        return hit_ids
 
     def num_offloaded_blocks(self) -> tuple[int, int]:
-        """The second tier's books (the step records show them): its blocks holding an evicted
-        cached block's KV, and all its blocks; (0, 0) without a tier."""
-        tier = self.seams.kv_cache_tier
-        return (0, 0) if tier is None else (len(tier.cached), tier.num_blocks)
+        """A second tier's books (the step records show them): its blocks holding an evicted
+        cached block's KV, and all its blocks; none here (kv_offload/'s block manager has one)."""
+        return 0, 0
 
     def num_skipped_blocks(self) -> int:
         """Blocks handed back from running sequences' tables so far, null_block in their place
@@ -100,18 +93,17 @@ class BlockManager:
                              f"num_kvcache_blocks is {self.num_blocks} (block_size {bs})")
 
     def can_allocate(self, seq: Sequence, hit_ids: list[int] | None = None) -> bool:
-        hit_ids = self._cached_prefix(seq)[0] if hit_ids is None else hit_ids
+        hit_ids = self._cached_prefix(seq) if hit_ids is None else hit_ids
         # A cached block nobody holds sits in the free queue, so taking it costs a free block too.
         num_held_hits = sum(self.blocks[b].ref_count > 0 for b in hit_ids)
         need = self.num_table_blocks(seq, len(hit_ids) * self.block_size)
         return need - num_held_hits <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
-        """Give seq's prompt its blocks, reusing cached ones (and loading tier hits). False changes
-        no state: the blocks do not fit, or more than max_new_tokens are left to compute past the
-        cached prefix."""
-        hit_ids, tier_hashes = self._cached_prefix(seq)
-        num_new_tokens = len(seq) - (len(hit_ids) + len(tier_hashes)) * self.block_size
+        """Give seq's prompt its blocks, reusing cached ones. False changes no state: the blocks do
+        not fit, or more than max_new_tokens are left to compute past the cached prefix."""
+        hit_ids = self._cached_prefix(seq)
+        num_new_tokens = len(seq) - len(hit_ids) * self.block_size
         over_budget = max_new_tokens is not None and num_new_tokens > max_new_tokens
         if over_budget or not self.can_allocate(seq, hit_ids):
             return False
@@ -119,17 +111,9 @@ class BlockManager:
             if self.blocks[block_id].ref_count == 0:  # nobody held it: out of the free queue
                 self.free_block_ids.remove(block_id)
             self.blocks[block_id].ref_count += 1
-        for i, block_hash in enumerate(tier_hashes, len(hit_ids)):
-            block_id = self.allocate_block()
-            self.cache_block(block_id, block_hash, seq.block(i))
-            self.seams.kv_cache_tier.load(block_hash, block_id)
-            hit_ids.append(block_id)
         num_new = self.num_table_blocks(seq, len(hit_ids) * self.block_size) - len(hit_ids)
         seq.block_table = hit_ids + [self.allocate_block() for _ in range(num_new)]
         seq.num_cached_tokens = seq.num_computed_tokens = len(hit_ids) * self.block_size
-        # More of the prompt's KV, computed by another engine (kv_transfer/).
-        if self.seams.kv_connector is not None:
-            self.seams.kv_connector.update_state_after_alloc(seq)
         return True
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:

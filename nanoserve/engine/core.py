@@ -37,7 +37,7 @@ class EngineCore:
                 extra_logits_rows=self.seams.extra_logits_rows)
             self.block_manager = block_manager_class(
                 self.model_runner.num_kvcache_blocks, config.block_size,
-                config.enable_prefix_caching, self.seams)
+                config.enable_prefix_caching)
             self.scheduler = scheduler_class(config, self.block_manager, self.seams)
             self.tokenizer = (AutoTokenizer.from_pretrained(config.model)
                               if has_tokenizer(config.model) else None)

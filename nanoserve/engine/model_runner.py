@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
@@ -113,7 +114,9 @@ class InputBuilder:
                           meta=meta, logits_rows=self._tensor(step.logits_rows, torch.int64),
                           sampling=self.prepare_sampling(rows, step.params),
                           sample_seq_ids=[seq.seq_id for seq, _ in rows],
-                          spec_decode_tokens=out.scheduled_spec_decode_tokens, extras=step.extras)
+                          spec_decode_tokens={seq.seq_id: list(seq.spec_token_ids)
+                                              for seq, j in rows if j == 0 and seq.spec_token_ids},
+                          extras=step.extras)
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays: each scheduled token's id, position and cache slot, sequence by
@@ -227,14 +230,7 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()  # reuse activation memory across steps, not page-faulting it in
         torch.manual_seed(config.seed)
-        self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device,
-                                model_class)
-        # Speculative decoding's draft model (spec_decode/draft_model_proposer.py): its layers are
-        # more layers of the same KV cache, so its KV shares the target's blocks and block tables.
-        self.draft_model = None if config.draft_hf_config is None else load_model(
-            config.draft_hf_config, config.speculative_config.model, config.torch_dtype,
-            self.device)
-        models = [m for m in (self.model, self.draft_model) if m is not None]
+        models = self.load_models(model_class)
         for model in models:  # RMSNorm, SwiGLU and RoPE as config.elementwise_backend says
             use_elementwise_backend(model, config.elementwise_backend)
         self.sampler, self.seams = Sampler(), Seams() if seams is None else seams
@@ -257,6 +253,14 @@ class ModelRunner:
         if (self.device.type == "cuda" and config.attention_backend != "torch"
                 and not config.enforce_eager):  # (the PyTorch path stays eager)
             self.cuda_graphs = CUDAGraphs(self.model, config, self.scratch_slot)
+
+    def load_models(self, model_class: type | None) -> list[nn.Module]:
+        """Load the model (model_class: a pipeline stage's part of it); returns every model whose
+        attention layers get this rank's KV cache: here the one."""
+        config = self.config
+        self.model = load_model(config.hf_config, config.model, config.torch_dtype, self.device,
+                                model_class)
+        return [self.model]
 
     # ---- KV cache -------------------------------------------------------------------------
     def block_bytes(self) -> int:
@@ -298,25 +302,24 @@ class ModelRunner:
     # ---- one step: forward (every rank), sampling (rank 0) --------------------------------
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                  logits_rows: torch.Tensor, draft: bool = False) -> torch.Tensor | None:
-        """Logits of the rows sampled from (None on a TP worker); draft=True: the draft model's."""
-        model = self.draft_model if draft else self.model
-        if not draft and self.cuda_graphs is not None and self.cuda_graphs.fits(meta):
+                  logits_rows: torch.Tensor) -> torch.Tensor | None:
+        """Logits of the rows sampled from (None on a TP worker)."""
+        if self.cuda_graphs is not None and self.cuda_graphs.fits(meta):
             hidden = self.cuda_graphs.replay(input_ids, positions, meta)
         else:
-            hidden = model(input_ids, positions, meta)
-        return model.compute_logits(hidden, logits_rows)
+            hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden, logits_rows)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """A token id per sampling row, as a device tensor."""
-        verify = self.seams.sample  # the seam: speculative decoding's verification, not a draw
-        sampled = self.draw(logits, inputs) if verify is None else verify(self, logits, inputs)
+        sampled = self.draw(logits, inputs)
         for after_sample in self.seams.after_sample:  # the seam: logprobs asked for (logprobs.py)
             after_sample(self, logits, sampled, inputs)
         return sampled
 
     def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
+        """The sampler's draw for each sampling row."""
         num_rows = len(inputs.sample_seq_ids)
         newest = (inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties
                   else None)
@@ -345,15 +348,17 @@ class Executor:
 
     def launch(self, out: SchedulerOutput,
                inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
-        """The step up to the logits: the inputs that ran (with a draft model's drafts) and their
-        logits."""
+        """The step up to the logits: the KV blocks moved and copied, then the forward."""
         # KV moved between blocks before the forward: every read of the device pool first, since a
         # block the step frees may be another copy's destination.
         self.copy_kv_out(out)
         self.copy_kv_in(out)
-        # the seam before the forward: a draft model fills the lookahead slots (draft=True)
-        if self.seams.propose is not None:
-            inputs = self.seams.propose(out, inputs, lambda *a: self.call("run_model", *a, True))
+        return self.forward(out, inputs)
+
+    def forward(self, out: SchedulerOutput,
+                inputs: ModelInput | None) -> tuple[ModelInput | None, torch.Tensor | None]:
+        """The model's forward over the step's inputs, once its KV is where it reads it: the inputs
+        that ran and their logits."""
         if inputs is None:  # everyone was preempted
             return None, None
         # the seam: e.g. async scheduling's placeholders

@@ -34,23 +34,12 @@ class SchedulerOutput:
 
     rows: list[ScheduledSequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
-    # Block moves, each a pair: copy-on-write copies (source, destination), kv_offload/'s evictions
-    # (device, host) and its hits loaded back (host, device).
+    # Block moves, each a pair: copy-on-write copies (source, destination).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_offload: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_load: list[tuple[int, int]] = field(default_factory=list)
-    # The executor's failed offloads and loads, with why (a failed load's block has no KV).
-    failed_offloads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    failed_loads: dict[tuple[int, int], Exception] = field(default_factory=dict)
-    # kv_transfer/: the step's KV loads and saves for another engine
-    kv_connector_metadata: object = None
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
-    # seq_id -> lookahead tokens
-    scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
-    # What the step's output did, for its record (nanoserve/step_records.py): seq_id -> how many
-    # lookahead tokens passed; the logits rows of sequences with raw_logits (beam search), in order;
-    # beam search's forked beams (new beam, its parent) and dropped ones (without a child, freed).
-    num_accepted_tokens: dict[int, int] = field(default_factory=dict)
+    # What the step's output did, for its record (nanoserve/step_records.py): the logits rows of
+    # sequences with raw_logits (beam search), in order; beam search's forked beams (new beam, its
+    # parent) and dropped ones (without a child, freed).
     raw_logits: torch.Tensor | None = None
     forked_beams: list[tuple[int, int]] = field(default_factory=list)
     dropped_beams: list[int] = field(default_factory=list)
@@ -71,14 +60,15 @@ class SchedulerOutput:
         # from this one.
         forks = seq.group[1:] if do_sample and end == seq.num_prompt_tokens else []
         self.rows.append(ScheduledSequence(seq, start, num_tokens, do_sample, forks))
-        if seq.spec_token_ids:  # lookahead: its newest token and these k tokens, 1 + k in all
-            self.scheduled_spec_decode_tokens[seq.seq_id] = list(seq.spec_token_ids)
 
     def is_decode(self, row: ScheduledSequence) -> bool:
-        """row computes only its newest generated token (and any lookahead drafts after it), no
-        prefill work."""
-        num_drafts = len(self.scheduled_spec_decode_tokens.get(row.seq.seq_id, []))
-        return row.num_tokens == 1 + num_drafts and row.start >= row.seq.num_prompt_tokens
+        """row computes only its newest generated token, no prefill work."""
+        return row.num_tokens == 1 and row.start >= row.seq.num_prompt_tokens
+
+    def num_sampled_tokens(self, row: ScheduledSequence) -> int:
+        """The tokens the step samples for row: one if it reaches its end, and one per fork
+        (none with raw_logits: the beam search picks them)."""
+        return 0 if row.seq.raw_logits else row.do_sample + len(row.forks)
 
 
 class Scheduler:
@@ -89,7 +79,7 @@ class Scheduler:
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
-        # The engine's seams: admits, sits_out, accept_lookahead.
+        # The engine's seams: admits, sits_out.
         self.seams = Seams() if seams is None else seams
         self.waiting, self.running = self.new_queue(), self.new_queue()
         self.stats = SchedulerStats()
@@ -115,7 +105,7 @@ class Scheduler:
         self.stats.num_steps += 1
         out = self.output_class()
         self._plan(out)
-        for after_schedule in self.seams.after_schedule:  # e.g. the host tier adds its copies
+        for after_schedule in self.seams.after_schedule:  # hooks that add to the plan
             after_schedule(out)
         self.stats.num_prefill_steps += out.is_prefill
         for row in out.rows:
@@ -179,7 +169,6 @@ class Scheduler:
 
     def _schedule_chunk(self, seq: Sequence, budget: int, out: SchedulerOutput) -> int:
         num_tokens = min(len(seq) - seq.num_computed_tokens, budget)
-        del seq.spec_token_ids[max(num_tokens - 1, 0) :]  # drop lookahead tokens past the budget
         # Blocks for its chunk (and its newest token), if needed.
         out.blocks_to_copy += self.block_manager.may_append(seq, num_tokens)
         out.add(seq, num_tokens)
@@ -228,7 +217,6 @@ class Scheduler:
     def _take_running(self, seq: Sequence, out: SchedulerOutput) -> list[Sequence]:
         group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
         for s in group:
-            s.spec_token_ids = []  # (lookahead tokens are proposed for running sequences only)
             if s in self.running:
                 self.running.remove(s)
         self.stats.num_preemptions += 1
@@ -236,35 +224,39 @@ class Scheduler:
         return group
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take a step's tokens in
-        (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
+        """Take a step's tokens in (1 each, n for a forking prompt, none for raw_logits)."""
         sampled, updated = iter(token_ids), []
         for row in out.rows:
-            seq = row.seq
-            lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            num_drawn = 0 if seq.raw_logits else row.do_sample + len(row.forks) + len(lookahead)
-            new_token_ids = list(islice(sampled, num_drawn))
-            if seq.is_finished:
+            new_token_ids = list(islice(sampled, out.num_sampled_tokens(row)))
+            if row.seq.is_finished:
                 continue
-            # Its KV is written now: hash its blocks (a preempted one lost these blocks).
-            if seq.status == SequenceStatus.RUNNING and not lookahead:
-                self.block_manager.hash_blocks(seq, row.start, row.start + row.num_tokens)
             if not row.do_sample:  # a prompt chunk short of the end: nothing to sample yet
                 self.stats.num_chunked_prefills += 1
+                self.hash_blocks(row, row.start + row.num_tokens)
                 continue
-            seq.num_output_placeholders -= 1
-            # Speculative decoding: keep the verified run, roll back past the first rejected token.
-            if lookahead:
-                updated += self.seams.accept_lookahead(self, out, seq, row.start, new_token_ids)
-                continue
-            for child in row.forks:
-                self._fork(seq, child, row.start + row.num_tokens)
-            for s, token_id in zip([seq, *row.forks], new_token_ids):
-                self.append_tokens(s, [token_id])
-                updated.append(s)
-                if s.finish_reason is not None:
-                    self.finish(s)
+            row.seq.num_output_placeholders -= 1
+            updated += self.accept_tokens(out, row, new_token_ids)
         return updated
+
+    def accept_tokens(self, out: SchedulerOutput, row: ScheduledSequence,
+                      token_ids: list[int]) -> list[Sequence]:
+        """Take in the tokens row sampled, one for its sequence and one per fork; returns each
+        sequence that got one."""
+        seq = row.seq
+        self.hash_blocks(row, row.start + row.num_tokens)
+        for child in row.forks:
+            self._fork(seq, child, row.start + row.num_tokens)
+        for s, token_id in zip([seq, *row.forks], token_ids):
+            self.append_tokens(s, [token_id])
+            if s.finish_reason is not None:
+                self.finish(s)
+        return [seq, *row.forks][: len(token_ids)]
+
+    def hash_blocks(self, row: ScheduledSequence, end: int) -> None:
+        """The KV of row's tokens up to end is written now: hash its full blocks (the prefix cache
+        may hand them out). A sequence preempted while the step ran lost these blocks."""
+        if row.seq.status == SequenceStatus.RUNNING:
+            self.block_manager.hash_blocks(row.seq, row.start, end)
 
     def append_tokens(self, seq: Sequence, token_ids: list[int]) -> None:
         """Append one by one, checking EOS, stop tokens and max_tokens; a finish drops the rest."""

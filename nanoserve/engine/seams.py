@@ -3,7 +3,7 @@
 The core (nanoserve/llm.py, this package, models/, layers/) is a complete engine with none of them, and never
 imports a feature. A chapter that changes a part of the engine as a whole is a subclass of that part's core class
 (the scheduler designs, the persistent batch, the ranks' executor, the window's block manager); the others
-(speculative decoding, beam search, structured outputs, LoRA, logprobs, the host tier, step records, ...) import
+(speculative decoding, beam search, structured outputs, LoRA, logprobs, step records, ...) import
 the core and add themselves here. nanoserve/chapters.py is the one place that builds an engine from its config.
 With every list empty, as for a plain request, the core runs no feature code.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.sequence import Request, Sequence
@@ -19,32 +18,6 @@ from nanoserve.layers.sampling_metadata import LogitsProcessor
 
 # (the step's plan, each sequence that got tokens -> how many) -> outputs of the requests the hook finished
 AfterStep = Callable[[object, dict[Sequence, int]], list[EngineCoreOutput]]
-
-
-class KVCacheTier(Protocol):
-    """A second tier for the prefix cache, below the device pool (kv_offload/: host memory). The BlockManager
-    calls it; the tier records the block copies it wants, and takes them into the step's plan (after_schedule)."""
-
-    def offload(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:
-        """The device is about to reuse block_id, a free block still cached under block_hash: keep its KV."""
-
-    def lookup(self, block_hash: int, token_ids: list[int]) -> bool:
-        """Does the tier hold this block (a prefix the device missed)? A hit is kept for this step's copies."""
-
-    def load(self, block_hash: int, block_id: int) -> None:
-        """Copy the block held under block_hash into the fresh device block block_id, before the forward."""
-
-
-class KVConnector(Protocol):
-    """The scheduler's side of a KV connector (vLLM's KVConnectorBase_V1; kv_transfer/: disaggregated prefill): a
-    prompt's KV that another engine computed is loaded instead of computed. The core calls it where a prompt gets its
-    blocks; the rest rides other seams: the step's loads and saves go into its plan at after_schedule (vLLM's
-    build_connector_meta), are written into blocks at move_kv (start_load_kv) and read out at after_step
-    (wait_for_save), whole blocks at a time."""
-
-    def update_state_after_alloc(self, seq: Sequence) -> None:
-        """seq got its blocks, num_computed_tokens of them cached: the connector counts more of its prompt as
-        computed (vLLM's get_num_new_matched_tokens) and notes the KV to load into its blocks, this step."""
 
 
 @dataclass
@@ -64,13 +37,7 @@ class Seams:
     # 4. Sequences that cannot be planned before their newest token is known, with async scheduling (a grammar's
     #    next mask, drafts proposed from that token): the async chapter's sits_out asks these.
     needs_newest_token: list[Callable[[Sequence], bool]] = field(default_factory=list)
-    # 5. The prefix cache's second tier (BlockManager): where a cached block's KV goes when the device pool evicts
-    #    it, and where a prefix the device misses is looked for (kv_offload/). None: evicted KV is dropped.
-    kv_cache_tier: KVCacheTier | None = None
-    # 6. KV from another engine (BlockManager.allocate): more of a prompt counted as computed, its KV loaded
-    #    instead (disaggregated prefill: kv_transfer/). None: every prompt token not cached is computed.
-    kv_connector: KVConnector | None = None
-    # 7. The plan is made (Scheduler.schedule): hooks that add to it (the host tier's block copies).
+    # 7. The plan is made (Scheduler.schedule): hooks that add to it.
     after_schedule: list[Callable[[object], None]] = field(default_factory=list)
     # 8. Sampling (layers/sampler.py): logits processors, applied in order to the rows the sampler draws from
     #    (a grammar's mask of allowed tokens). The InputBuilder asks each for its step's state on the host.
@@ -83,26 +50,17 @@ class Seams:
     #    that write it: swap-ins, host-tier hits), since a block the first free may be the second's destination.
     #    (plan, executor, "out" | "in") -> None.
     move_kv: list[Callable[[object, object, str], None]] = field(default_factory=list)
-    # 11. Fills the step's lookahead slots on the device (a draft model's proposals). (plan, inputs, run_draft) ->
-    #    the inputs to run.
-    propose: Callable | None = None
     # 12. Just before the forward, on the process that plans: (plan, inputs) -> None, e.g. async scheduling's
     #    placeholders filled on the device, LoRA's slot loads and rows (run on every rank through
     #    executor.call("apply", fn, ...), ModelRunner.apply).
     before_forward: list[Callable[[object, object], None]] = field(default_factory=list)
-    # 13. Drawing (ModelRunner.sample): picks each row's tokens instead of the sampler's draw (speculative
-    #    decoding's verification of the lookahead tokens). (model runner, logits, inputs) -> token ids.
-    sample: Callable | None = None
     # 14. After drawing (ModelRunner.sample): (model runner, logits, the tokens drawn, inputs) -> None (logprobs).
     after_sample: list[Callable] = field(default_factory=list)
     # 15. The step's output comes back (EngineCore._update_from_output), first: hooks that fail requests the step
-    #    left without valid KV (the host tier's failed loads). (plan) -> their outputs.
+    #    left without valid KV. (plan) -> their outputs.
     before_update: list[Callable[[object], list[EngineCoreOutput]]] = field(default_factory=list)
-    # 16. Scheduler.postprocess, for a sequence that computed lookahead tokens: (scheduler, plan, seq, where its
-    #    step started, the tokens emitted) -> seq once per token kept (speculative decoding's rollback).
-    accept_lookahead: Callable | None = None
-    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts them), pick tokens
-    #    themselves (beam search), or propose the next step's lookahead tokens.
+    # 17. After the step, in order: hooks that take the step's tokens in (a grammar accepts
+    #    them), or pick tokens themselves (beam search).
     after_step: list[AfterStep] = field(default_factory=list)
     # 18. Observers, last: read each step (step records, the dashboard); None when an abort changed the queues.
     observers: list[Callable[[object | None, list[Sequence]], None]] = field(default_factory=list)

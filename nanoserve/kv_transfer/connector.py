@@ -1,18 +1,21 @@
-"""P2pConnector: the KV connector seam (engine/seams.py, vLLM's KVConnectorBase_V1 shape) for a pair of engines.
+"""P2pConnector: a KV connector for a pair of engines, with vLLM's KVConnectorBase_V1 methods; the
+chapter's subclasses of the core's parts (kv_transfer/__init__.py) call them where vLLM's scheduler
+and worker do.
 
-The producer (prefill) side: a request with kv_transfer_params {"do_remote_decode": true} computes its prompt as
-any other; in the step that completes the prompt, `build_connector_meta` names its blocks and their chained hashes,
-and after the step `wait_for_save` copies their KV into the KVStore (pipe.py), so the blocks are freed as usual
-(vLLM's request_finished, which holds a finished request's blocks until they are sent, is not needed).
+The producer (prefill) side: a request with kv_transfer_params {"do_remote_decode": true} computes
+its prompt as any other; in the step that completes the prompt, `build_connector_meta` names its
+blocks and their chained hashes, and once the step is done `wait_for_save` copies their KV into
+the KVStore (pipe.py), so the blocks are freed as usual (vLLM's request_finished, which holds a
+finished request's blocks until they are sent, is not needed).
 
-The consumer (decode) side: a request with {"do_remote_prefill": true} asks the producer, as soon as it is added,
-for the prompt blocks it does not hold itself (by chained hash: cached blocks are never sent again). It waits in
-the queue until they came (the `admits` seam: vLLM's WAITING_FOR_REMOTE_KVS); once it has its blocks,
-`update_state_after_alloc` counts all of the prompt but its last token as computed (`get_num_new_matched_tokens`),
-notes which received block goes into which of its fresh blocks, and `start_load_kv` writes them in before the
-forward. Its first step computes the
-prompt's last token only. A transfer that fails or takes longer than transfer_timeout is no error: the consumer
-computes the prompt itself (stats.num_failed_transfers counts it).
+The consumer (decode) side: a request with {"do_remote_prefill": true} asks the producer, as soon as
+it is added, for the prompt blocks it does not hold itself (by chained hash: cached blocks are never
+sent again). It waits in the queue until they came (`has_remote_kvs`: vLLM's
+WAITING_FOR_REMOTE_KVS); once it has its blocks, `update_state_after_alloc` counts all of the prompt
+but its last token as computed (`get_num_new_matched_tokens`), notes which received block goes into
+which of its fresh blocks, and `start_load_kv` writes them in before the forward. Its first step
+computes the prompt's last token only. A transfer that fails or takes longer than transfer_timeout
+is no error: the consumer computes the prompt itself (stats.num_failed_transfers counts it).
 """
 import logging
 import time
@@ -53,7 +56,7 @@ class Pull:
 
 @dataclass
 class ConnectorMetadata:
-    """One step's work for the worker side (SchedulerOutput.kv_connector_metadata)."""
+    """One step's work for the worker side (KVTransferSchedulerOutput.kv_connector_metadata)."""
 
     loads: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (received KV, device block)
     saves: list[tuple[int, int]] = field(default_factory=list)  # (chained hash, device block)
@@ -82,7 +85,7 @@ def check_params(params: object, config: KVTransferConfig) -> None:
 
 
 class P2pConnector:
-    """Both sides of the seam, for one engine of the pair (its kv_role says which half runs)."""
+    """Both sides of the connector, for one engine of the pair (its kv_role says which runs)."""
 
     def __init__(self, engine: EngineCore, config: KVTransferConfig):
         self.config, self.block_size = config, engine.config.block_size
@@ -97,13 +100,13 @@ class P2pConnector:
         self.received: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request id -> (first block, its KV)
         self.meta = ConnectorMetadata()  # the step being planned
 
-    # ---- requests (the request_options and admits seams) ---------------------------------------------
+    # ---- requests ------------------------------------------------------------------------------
     def check_request(self, params: object) -> None:
-        """The request_checks seam: a request's kv_transfer_params, before it is queued."""
+        """A request's kv_transfer_params, before it is queued."""
         check_params(params, self.config)
 
     def add_request(self, request: Request) -> None:
-        """The request_options seam: a consumer's request asks for the prompt blocks it lacks, at once."""
+        """A consumer's request, just queued, asks for the prompt blocks it lacks, at once."""
         params = request.sampling_params.kv_transfer_params
         seq = request.first_seq
         # (a prompt_logprobs request computes its prompt)
@@ -122,13 +125,14 @@ class P2pConnector:
                 return i
         return len(hashes)
 
-    def admits(self, seq: Sequence, scheduler, out: SchedulerOutput) -> bool:
-        """A consumer's request waits in the queue, keeping its place, until its blocks came or its time ran out."""
+    def has_remote_kvs(self, seq: Sequence, idle: bool) -> bool:
+        """A consumer's request waits in the queue, keeping its place, until its blocks came or its
+        time ran out (idle: the engine runs nobody else)."""
         pull = self.pulls.get(seq.request_id)
         if pull is None or pull.future.done():
             return True
         if time.monotonic() < pull.deadline:
-            if not scheduler.running:  # nothing else to step for: wait here a little, not spin through empty steps
+            if idle:  # nothing else to step for: wait here a little, not spin through empty steps
                 try:
                     pull.future.exception(timeout=min(0.05, pull.deadline - time.monotonic()))
                 except TimeoutError:
@@ -164,9 +168,9 @@ class P2pConnector:
         return end - num_computed_tokens
 
     def update_state_after_alloc(self, seq: Sequence) -> None:
-        """seq got its blocks (the seam in BlockManager.allocate): the received ones go into them before this step's
-        forward, and count as computed; the full ones join the prefix cache at once (as the host tier's loads: their
-        copies run before any forward reads them)."""
+        """seq got its blocks (KVTransferBlockManager.allocate): the received ones go into them
+        before this step's forward, and count as computed; the full ones join the prefix cache at
+        once (as the host tier's loads: their copies run before any forward reads them)."""
         num_local = seq.num_computed_tokens
         num_external = self.get_num_new_matched_tokens(seq, num_local)
         if not num_external:
@@ -179,9 +183,10 @@ class P2pConnector:
         self.stats.num_received_blocks += len(loads)
         self.stats.num_received_tokens += num_external
 
-    def build_connector_meta(self, out: SchedulerOutput) -> None:
-        """The after_schedule seam: the step's loads (noted as requests got their blocks) and, on the producer, the
-        blocks of every prompt that this step completes, to save after it, go into its plan."""
+    def build_connector_meta(self, out: SchedulerOutput) -> ConnectorMetadata:
+        """The planned step's work for the worker side: its loads (noted as requests got their
+        blocks) and, on the producer, the blocks of every prompt that this step completes, to save
+        after it."""
         meta, self.meta = self.meta, ConnectorMetadata()
         for row in out.rows:
             seq, params = row.seq, row.seq.sampling_params.kv_transfer_params
@@ -190,18 +195,18 @@ class P2pConnector:
                 meta.saves += zip(hashes, seq.block_table)
         for request_id in [r for r in self.pulls if r not in self.requests]:  # aborted while waiting
             del self.pulls[request_id]
-        out.kv_connector_metadata = meta
+        return meta
 
-    # ---- the worker's side (the move_kv and after_step seams) ---------------------------------------
-    def start_load_kv(self, out: SchedulerOutput, executor, way: str) -> None:
-        """Before the forward, with the copies that write the device pool ("in"): the received KV into its blocks."""
-        for kv, block_id in out.kv_connector_metadata.loads if way == "in" else ():
+    # ---- the worker's side --------------------------------------------------------------------
+    def start_load_kv(self, meta: ConnectorMetadata) -> None:
+        """Before the forward, with the copies that write the device pool: the received KV into its
+        blocks."""
+        for kv, block_id in meta.loads:
             self.kv_cache[:, :, block_id] = kv.to(self.kv_cache.device)
 
-    def wait_for_save(self, out: SchedulerOutput, updated: dict) -> list:
-        """After the step (only one that succeeded): the KV of the prompts it completed into the KVStore. Their
+    def wait_for_save(self, meta: ConnectorMetadata) -> None:
+        """After a step that succeeded: the KV of the prompts it completed, into the KVStore. Their
         blocks may be free by now, but none is written before the next step is planned."""
-        for block_hash, block_id in out.kv_connector_metadata.saves:
+        for block_hash, block_id in meta.saves:
             self.store.put(block_hash, self.kv_cache[:, :, block_id].to("cpu", copy=True))
             self.stats.num_saved_blocks += 1
-        return []

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 
 from nanoserve.config import Config
+from nanoserve.kv_transfer import KVTransferEngineCore
 from nanoserve.scheduling.swap import SwapScheduler
 from nanoserve.serving.protocol import APIError
 from nanoserve.sliding_window import SlidingWindowBlockManager
@@ -131,7 +132,7 @@ def refusals(core) -> dict | None:
 def kv_transfer_json(core) -> dict | None:
     """Disaggregated prefill's counters (kv_transfer/): blocks sent, or received; None on an engine
     without it."""
-    connector = core.seams.features.get("kv_transfer")
+    connector = core.kv_connector if isinstance(core, KVTransferEngineCore) else None
     if connector is None:
         return None
     error = connector.pipe.error

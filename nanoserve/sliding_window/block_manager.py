@@ -19,7 +19,6 @@ from collections import deque
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.utils.math import cdiv
 
@@ -32,10 +31,10 @@ NULL_BLOCK = 0
 class SlidingWindowBlockManager(BlockManager):
     null_block = NULL_BLOCK
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 seams: Seams | None = None, *, sliding_window: int,
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, *,
+                 sliding_window: int,
                  max_num_batched_tokens: int = Config.max_num_batched_tokens):
-        super().__init__(num_blocks, block_size, enable_prefix_caching, seams)
+        super().__init__(num_blocks, block_size, enable_prefix_caching)
         self.sliding_window = sliding_window
         self.max_num_batched_tokens = max_num_batched_tokens  # the largest chunk a step computes
         self.refused: deque[str] = deque(maxlen=16)  # the latest refusals' reasons (dashboard)
@@ -71,23 +70,19 @@ class SlidingWindowBlockManager(BlockManager):
     def share(self, block_ids: list[int]) -> None:
         super().share([b for b in block_ids if b != NULL_BLOCK])
 
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
+    def _cached_prefix(self, seq: Sequence) -> list[int]:
         """vLLM V1's rule for a window: a prefix of k blocks is a hit when the blocks the window of
         its first uncomputed token reads (the last ceil((W - 1) / block_size) of them) are cached;
         those before it may be gone, and are null blocks in the table. The longest such prefix; no
-        second tier
-        (window_block_manager refuses one)."""
-        if not self.caches_prefix(seq):
-            return [], []
-        # (the last token needs logits)
-        hashes = seq.block_hashes[: (len(seq) - 1) // self.block_size]
+        second tier (window_block_manager refuses one)."""
+        hashes = self.prefix_hashes(seq)
         cached = [self.cached_block_id(h, seq.block(i)) for i, h in enumerate(hashes)]
         need = cdiv(self.sliding_window - 1, self.block_size)
         for num_hit in range(len(cached), 0, -1):
             window = cached[max(num_hit - need, 0) : num_hit]
             if None not in window:
-                return [NULL_BLOCK] * (num_hit - len(window)) + window, []
-        return [], []
+                return [NULL_BLOCK] * (num_hit - len(window)) + window
+        return []
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         allocated = super().allocate(seq, max_new_tokens)

@@ -1,21 +1,28 @@
-"""Speculative decoding (docs/speculative.md): proposers that guess k tokens ahead into the core's lookahead slots
-(Sequence.spec_token_ids), and the verification that keeps what the target model agrees with. The scheduler's
-books for the 1 + k tokens are kept by accounting.py's accept_run with the core's BlockManager.truncate; this
-chapter plugs in at five seams."""
+"""Speculative decoding (docs/speculative.md): proposers that guess k tokens ahead into the
+lookahead slots (Sequence.spec_token_ids), and the verification that keeps what the target model
+agrees with.
+A subclass of each core class it changes, each the core's own unless speculative_config is set:
+- SpecDecodeScheduler (scheduler.py): proposes the drafts before each plan, records them in its plan
+  (SpecDecodeSchedulerOutput), takes the verified run in and rolls back past it;
+- SpecDecodeModelRunner (model_runner.py): loads the draft model, verifies instead of a draw;
+- SpecDecodeExecutor (model_runner.py): runs the draft model before the target's forward;
+- SpecDecodeEngineCore (here): hands that draft pass the engine's InputBuilder.
+"""
 from nanoserve.engine.core import EngineCore
-from nanoserve.spec_decode.accounting import accept_run, waits_for_drafts
 from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer
-from nanoserve.spec_decode.proposer import propose_drafts
-from nanoserve.spec_decode.verify import verify
+from nanoserve.spec_decode.model_runner import SpecDecodeExecutor, SpecDecodeModelRunner
+from nanoserve.spec_decode.scheduler import SpecDecodeScheduler, SpecDecodeSchedulerOutput
+
+__all__ = ["SpecDecodeEngineCore", "SpecDecodeExecutor", "SpecDecodeModelRunner",
+           "SpecDecodeScheduler", "SpecDecodeSchedulerOutput"]
 
 
-def plug_in(engine: EngineCore) -> None:
-    seams, spec = engine.seams, engine.config.speculative_config
-    scheduler = engine.scheduler  # (not the engine: its seams must not hold it, or `del llm` would not free it)
-    seams.sample = verify  # the draw: a verification of each request's drafts
-    seams.accept_lookahead = accept_run  # the scheduler takes the verified run in, rolls back past the rest
-    seams.needs_newest_token.append(waits_for_drafts)  # async scheduling: drafts start from the newest token
-    seams.after_step.append(lambda out, updated: propose_drafts(scheduler.running, spec))  # the next step's
-    if spec.method == "draft_model":  # before the forward: the draft model fills the slots the scheduler reserved
-        # (It rebuilds the step's inputs with the drafts filled in, with the engine's InputBuilder.)
-        seams.propose = DraftModelProposer(engine.input_builder).propose
+class SpecDecodeEngineCore(EngineCore):
+    """The EngineCore whose executor runs a draft model: the draft pass rebuilds the step's inputs
+    with the drafts filled in, with this engine's InputBuilder (built after the executor)."""
+
+    def __init__(self, config, seams=None, **parts):
+        super().__init__(config, seams, **parts)
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":
+            self.executor.proposer = DraftModelProposer(self.input_builder)

@@ -1,9 +1,9 @@
-"""Who gets drafts for the next step, and how many (docs/speculative.md, "The path through the engine")."""
+"""Who gets drafts for the next step, and how many (docs/speculative.md, "The path through the
+engine")."""
 from collections.abc import Iterable
 
 import numpy as np
 
-from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.sequence import Sequence
 from nanoserve.spec_decode.accounting import num_spec_tokens_allowed
 from nanoserve.spec_decode.ngram_proposer import NgramProposer
@@ -11,13 +11,13 @@ from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
 from nanoserve.speculative_config import SpeculativeConfig
 
 
-def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> list[EngineCoreOutput]:
-    """After a step: set each running sequence's spec_token_ids for the next one, the drafts it will verify.
-    Only a sequence about to decode gets drafts (not one still prefilling its prompt), at most as many as its
-    max_tokens leave room for; none at all in a batch past disable_by_batch_size. N-gram lookup proposes them
-    here; a draft model only holds their places (PLACEHOLDER_TOKEN_ID): it runs once the next step is
-    scheduled, in the KV slots the scheduler reserved for them (draft_model_proposer.py). (The after_step seam:
-it finishes no request, so it returns no output.)"""
+def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig) -> None:
+    """Before a step is planned (SpecDecodeScheduler.schedule): set each running sequence's
+    spec_token_ids, the drafts it will verify. Only a sequence about to decode gets drafts (not one
+    still prefilling its prompt), at most as many as its max_tokens leave room for; none at all in a
+    batch past disable_by_batch_size. N-gram lookup proposes them here; a draft model only holds
+    their places (PLACEHOLDER_TOKEN_ID): it runs once the step is scheduled, in the KV slots the
+    scheduler reserved for them (draft_model_proposer.py)."""
     running = list(running)
     ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
     enabled = spec.enabled_for(len(running))
@@ -38,4 +38,3 @@ it finishes no request, so it returns no output.)"""
                 seq.spec_token_ids = seq.grammar.valid_drafts(seq.spec_token_ids)
         else:
             seq.spec_token_ids = [PLACEHOLDER_TOKEN_ID] * k
-    return []

@@ -60,12 +60,11 @@ def timeline(prompt_len: int = 256, chunk: int = 64, max_tokens: int = 16,
     decode_params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                    kv_transfer_params={"do_remote_prefill": True})
     consumer.engine.add_request("0", prompt, decode_params)
-    # (the queue's admits seam waits so)
-    consumer.engine.seams.features["kv_transfer"].pulls["0"].future.result()
+    consumer.engine.kv_connector.pulls["0"].future.result()  # (the queue holds it back so)
     events.append(("decode instance", "transfer (pull)", begin - start, perf_counter() - start))
     run(consumer, "decode instance",
         ["last prompt token + loaded KV"] + ["decode"] * (max_tokens - 1))
-    stats = consumer.engine.seams.features["kv_transfer"].stats
+    stats = consumer.engine.kv_connector.stats
     print(f"{stats.num_received_blocks} blocks received, {stats.num_received_tokens} "
           f"of {prompt_len} prompt tokens not computed on the decode instance")
     return events
