@@ -91,8 +91,8 @@ class ChaptersBlockManager(LogprobsBlockManager, KVTransferBlockManager, HostTie
 
 
 class ChaptersWindowBlockManager(LogprobsBlockManager, SlidingWindowBlockManager):
-    """ChaptersBlockManager's chapters on the window's block manager (when every layer is
-    windowed)."""
+    """The window's block manager (every layer windowed) with the chapters that meet a window:
+    logprobs' (the host tier and disaggregated prefill refuse one: window_block_manager)."""
 
 
 class ChaptersInputBuilder(LogprobsInputBuilder, InputBatch):
