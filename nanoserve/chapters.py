@@ -7,12 +7,11 @@ per part of the engine (`ChaptersScheduler` ...), whose bases list them in the o
 run (each calls `super()`, down to the core's). `build_engine(config)` builds the core's classes
 alone when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py
 checks that it runs the core alone), else the composites. Chapters that still plug into the seams
-(engine/seams.py) are handed them after the engine is built, those a request asks for too (logprobs
-with max_logprobs > 0, structured outputs and beam search with their enable_ options): a request
-asking for one the engine lacks is refused, naming the option.
+(engine/seams.py) are handed them after the engine is built, those a request asks for too
+(structured outputs and beam search with their enable_ options; logprobs, with max_logprobs > 0, is
+subclasses): a request asking for one the engine lacks is refused, naming the option.
 """
 from dataclasses import dataclass
-from functools import partial
 
 from nanoserve import async_llm, llm
 from nanoserve.beam_search_params import BeamSearchParams
@@ -38,6 +37,12 @@ from nanoserve.kv_transfer import (
     KVTransferScheduler,
     KVTransferSchedulerOutput,
 )
+from nanoserve.logprobs import (
+    LogprobsBlockManager,
+    LogprobsEngineCore,
+    LogprobsInputBuilder,
+    LogprobsModelRunner,
+)
 from nanoserve.lora.engine import LoRAEngineCore, LoRAExecutor, LoRAModelRunner, LoRAScheduler
 from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
@@ -49,7 +54,7 @@ from nanoserve.scheduling.async_scheduling import AsyncScheduler, BatchQueueEngi
 from nanoserve.scheduling.priority import PriorityEngineCore, PriorityScheduler
 from nanoserve.scheduling.swap import SwapExecutor, SwapScheduler, SwapSchedulerOutput
 from nanoserve.scheduling.swap import plug_in as plug_in_swap
-from nanoserve.sliding_window import frees_blocks, window_block_manager
+from nanoserve.sliding_window import SlidingWindowBlockManager, frees_blocks, window_block_manager
 from nanoserve.spec_decode import (
     SpecDecodeEngineCore,
     SpecDecodeExecutor,
@@ -92,16 +97,23 @@ class ChaptersScheduler(SpecDecodeScheduler, StructuredOutputsScheduler, KVTrans
                        None if manager is None else manager.grammar)
 
 
-class ChaptersBlockManager(KVTransferBlockManager, HostTierBlockManager, BlockManager):
+class ChaptersBlockManager(LogprobsBlockManager, KVTransferBlockManager, HostTierBlockManager,
+                           BlockManager):
     """(Disaggregated prefill's allocate calls super() first: the KV it receives continues the
     prefix that the device and the host tier hold.)"""
 
 
-class ChaptersInputBuilder(InputBatch):
+class ChaptersWindowBlockManager(LogprobsBlockManager, SlidingWindowBlockManager):
+    """The window's block manager (every layer windowed) with the chapters that meet a window:
+    logprobs' (the host tier and disaggregated prefill refuse one: window_block_manager)."""
+
+
+class ChaptersInputBuilder(LogprobsInputBuilder, InputBatch):
     pass
 
 
-class ChaptersModelRunner(SpecDecodeModelRunner, LoRAModelRunner, ModelRunner):
+class ChaptersModelRunner(LogprobsModelRunner, SpecDecodeModelRunner, LoRAModelRunner,
+                          ModelRunner):
     pass
 
 
@@ -110,9 +122,9 @@ class ChaptersExecutor(SpecDecodeExecutor, KVTransferExecutor, HostTierExecutor,
     pass
 
 
-class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, SpecDecodeEngineCore,
-                         StructuredOutputsEngineCore, KVTransferEngineCore, HostTierEngineCore,
-                         PriorityEngineCore, BatchQueueEngineCore):
+class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, LogprobsEngineCore,
+                         SpecDecodeEngineCore, StructuredOutputsEngineCore, KVTransferEngineCore,
+                         HostTierEngineCore, PriorityEngineCore, BatchQueueEngineCore):
     """(The records' core records a step once every chapter after it took it in; LoRA's comes
     first so that it forgets an ended request's adapter only once the step is recorded.)"""
 
@@ -144,7 +156,8 @@ def build_engine(config: Config) -> EngineCore:
     if not asks_for_chapters(config):
         engine = EngineCore(config, seams)
     else:  # (the window's block manager frees blocks behind the window: sliding_window/)
-        block_manager_class = window_block_manager(config) or ChaptersBlockManager
+        block_manager_class = (window_block_manager(config, ChaptersWindowBlockManager)
+                               or ChaptersBlockManager)
         engine = ChaptersEngineCore(
             config, seams, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
             scheduler_class=ChaptersScheduler, input_builder_class=ChaptersInputBuilder,
@@ -165,34 +178,11 @@ def build_engine(config: Config) -> EngineCore:
 def plug_in_chapters(engine: EngineCore) -> None:
     """The chapters the config asks for, once the engine is built, and those a request may ask
     for."""
-    config, seams = engine.config, engine.seams
-    # The chapters a request asks for: plugged in when the config asks; a request asking for one the
-    # engine lacks is refused by name (EngineCore.check_request, sampling_params.FEATURE_OPTIONS).
-    max_logprobs = 0 if config.logprobs_config is None else config.logprobs_config.max_logprobs
-    for name in ("logprobs", "prompt_logprobs"):  # checked on or off: the refusal says how much
-        seams.request_checks[name] = partial(check_num_logprobs, name, max_logprobs,
-                                             config.hf_config.vocab_size)
-    if max_logprobs:  # logprobs: logprobs.py
-        from nanoserve.logprobs import plug_in as plug_in_logprobs
-
-        plug_in_logprobs(engine)
+    config = engine.config
     if config.beam_search_config is not None:  # beam search: beam_search/
         from nanoserve.beam_search.scheduler import BeamScheduler
 
         BeamScheduler.plug_in(engine)
-
-
-def check_num_logprobs(name: str, max_logprobs: int, vocab_size: int, k: int) -> None:
-    """What no engine could serve, then vLLM's rule: a request asks for at most max_logprobs (here
-    0 is the chapter off, so even k = 0, the sampled token's logprob alone, needs 1)."""
-    if k > vocab_size:
-        raise ValueError(f"{name}: got {k}, the vocabulary has {vocab_size} tokens")
-    if k > max_logprobs:
-        raise ValueError(f"{name}: {k} exceeds max_logprobs ({max_logprobs}); "
-                         f"pass LLM(..., max_logprobs={k}) or more")
-    if max_logprobs == 0:
-        raise ValueError(f"{name}: this engine has no logprobs (max_logprobs=0); "
-                         "pass LLM(..., max_logprobs=1) or more")
 
 
 def beam_search_feature(engine: EngineCore):

@@ -10,10 +10,11 @@ from test_scheduling_random import next_token, random_case
 from conftest import make_scheduler
 from nanoserve import LLM
 from nanoserve.beam_search.scheduler import beam_rows
+from nanoserve.chapters import ChaptersInputBuilder
 from nanoserve.engine.model_runner import InputBuilder
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
-from nanoserve.logprobs import logprobs_places
+from nanoserve.logprobs import LogprobsInputBuilder
 from nanoserve.persistent_batch import InputBatch
 from nanoserve.sampling_params import SamplingParams
 from nanoserve.spec_decode.rejection_sampler import PLACEHOLDER_TOKEN_ID
@@ -100,14 +101,15 @@ def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
 def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch(kind):
     assert builder(kind).prepare_inputs(SchedulerOutput()) is None
     seq = make(0, [5, 6, 7], [2], temperature=0, logprobs=1, prompt_logprobs=0)
-    b = builder(kind)
-    b.extra_logits_rows["logprobs"] = logprobs_places  # the logprobs chapter's seam (nanoserve/logprobs.py)
+    # the logprobs chapter's subclass (nanoserve/logprobs.py), on the core's builder or in the composite
+    cls = ChaptersInputBuilder if kind == "persistent" else LogprobsInputBuilder
+    b = cls(block_size=BS, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
     inputs = b.prepare_inputs(plan((seq, 3)))
     s = inputs.sampling
     assert (s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.penalties, s.min_tokens_mask) == (None,) * 6
     # logits rows: the sampled row first, then the prompt rows (position p scores token p + 1)
     assert inputs.logits_rows.tolist() == [2, 0, 1]
-    assert inputs.extras["logprobs"] == [(seq, None, 0), (seq, 1, 1), (seq, 2, 2)]
+    assert inputs.logprobs_places == [(seq, None, 0), (seq, 1, 1), (seq, 2, 2)]
 
 
 def as_lists(inputs) -> dict:

@@ -1,10 +1,13 @@
 """logprobs, prompt_logprobs and the penalties against transformers on the same weights (float32)."""
+import itertools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import random_prompts
 from nanoserve import LLM, SamplingParams
+from nanoserve.logprobs import LogprobsEngineCore
 
 EOS = 2
 OPTIONS = dict(block_size=4, num_kvcache_blocks=128, max_model_len=96)
@@ -74,17 +77,14 @@ def test_logprobs_are_a_chapter_switched_on_by_max_logprobs(tiny_models):
 
     llm = LLM(tiny_models["llama"], **OPTIONS)
     plain = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False))
-    assert "nanoserve/logprobs.py" not in plain and "logprobs" not in llm.engine.seams.features
-    for name in ("logprobs", "prompt_logprobs"):
-        with pytest.raises(ValueError, match=rf"^{name}: 5 exceeds max_logprobs \(0\); pass LLM\(\.\.\., "
-                           r"max_logprobs=5\) or more"):
-            llm.generate([[5, 6]], SamplingParams(**{name: 5}), use_tqdm=False)
-        with pytest.raises(ValueError, match=rf"^{name}: this engine has no logprobs \(max_logprobs=0\); "
-                           r"pass LLM\(\.\.\., max_logprobs=1\) or more"):
-            llm.generate([[5, 6]], SamplingParams(**{name: 0}), use_tqdm=False)
-    assert not llm.engine.has_unfinished_requests() and "logprobs" not in llm.engine.seams.features
+    assert "nanoserve/logprobs.py" not in plain and not isinstance(llm.engine, LogprobsEngineCore)
+    for name, k in itertools.product(("logprobs", "prompt_logprobs"), (5, 0)):
+        with pytest.raises(ValueError, match=rf"^{name}: this engine has no feature plugged in for it; "
+                           r"nanoserve.LLM plugs it in, with max_logprobs > 0"):
+            llm.generate([[5, 6]], SamplingParams(**{name: k}), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
     llm = LLM(tiny_models["llama"], **OPTIONS, max_logprobs=2)
-    assert "logprobs" in llm.engine.seams.features  # at build, not with a request
+    assert llm.engine.max_logprobs == 2  # at build, not with a request
     asked = files_run(lambda: llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, logprobs=2), use_tqdm=False))
     assert "nanoserve/logprobs.py" in asked
     for name in ("logprobs", "prompt_logprobs"):

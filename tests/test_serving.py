@@ -522,10 +522,11 @@ def test_a_server_without_the_request_chapters_refuses_them_by_name(converted):
         assert not engine.engine_core.seams.features  # the core alone
         client = TestClient(app_from_args(engine, args))
         for route, body, param, option in (
-                ("completions", {"prompt": "Hi", "logprobs": 2}, "logprobs", "max_logprobs=2"),
-                ("completions", {"prompt": "Hi", "logprobs": 0, "echo": True}, "logprobs", "max_logprobs=1"),
+                # (the core's refusal: a plain engine has no logprobs chapter to say how many)
+                ("completions", {"prompt": "Hi", "logprobs": 2}, "logprobs", "max_logprobs > 0"),
+                ("completions", {"prompt": "Hi", "logprobs": 0, "echo": True}, "logprobs", "max_logprobs > 0"),
                 ("chat/completions", {"messages": QUESTION, "logprobs": True, "top_logprobs": 1}, "logprobs",
-                 "max_logprobs=1"),
+                 "max_logprobs > 0"),
                 ("completions", {"prompt": "Hi", "structured_outputs": {"choice": ["a", "b"]}}, "structured_outputs",
                  "enable_structured_outputs=True"),
                 ("chat/completions", {"messages": QUESTION, "response_format": {"type": "json_object"}},

@@ -205,3 +205,22 @@ def test_disaggregated_prefill_is_refused_with_a_window(models):
     with pytest.raises(ValueError, match="kv_transfer_config"):
         LLM(models["mistral"], num_kvcache_blocks=16,
             kv_transfer_config={"kv_connector": "P2pConnector", "kv_role": "kv_producer"})
+
+
+def test_prompt_logprobs_compute_the_whole_prompt_with_a_window(models):
+    """The logprobs chapter's rule joins the window's block manager (nanoserve/chapters.py's
+    ChaptersWindowBlockManager): a prompt_logprobs request takes no prefix hit, and every prompt
+    token after the first is scored."""
+    from nanoserve.logprobs import LogprobsBlockManager
+
+    llm = LLM(models["mistral"], block_size=BLOCK_SIZE, num_kvcache_blocks=64, max_logprobs=1)
+    block_manager = llm.engine.block_manager
+    assert isinstance(block_manager, SlidingWindowBlockManager)
+    assert isinstance(block_manager, LogprobsBlockManager)
+    prompt = random_prompts(1, seed=12, low=60, high=61)[0]
+    (cached,) = [llm.generate([prompt], GREEDY, use_tqdm=False) for _ in range(2)][1]
+    assert cached.num_cached_tokens >= 48  # the prompt's blocks are in the cache
+    params = SamplingParams(temperature=0, max_tokens=4, prompt_logprobs=1)
+    (out,) = llm.generate([prompt], params, use_tqdm=False)
+    assert out.num_cached_tokens == 0 and out.prompt_logprobs[0] is None
+    assert all(t in d for d, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True))

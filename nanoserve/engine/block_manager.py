@@ -50,10 +50,9 @@ class BlockManager:
             block.hash, block.token_ids = -1, []
 
     def prefix_hashes(self, seq: Sequence) -> list[int]:
-        """The hashes of seq's blocks a prefix hit may take: none for a request that computes its
-        whole prompt (prompt_logprobs: cached tokens would get no logits, vLLM V1), else every full
-        block but one holding the last token, which is always computed (it needs logits)."""
-        if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
+        """The hashes of seq's blocks a prefix hit may take: none without prefix caching, else every
+        full block but one holding the last token, which is always computed (it needs logits)."""
+        if not self.enable_prefix_caching:
             return []
         return seq.block_hashes[: (len(seq) - 1) // self.block_size]
 

@@ -165,15 +165,10 @@ class EngineCore:
                     seq.finish_reason, stop_reason, finished = "stop", stop, True
                     break
             new_text = detokenizer.get_delta(finished)
-        # (logprobs.py wrote the tokens' logprobs when they were sampled; a later step may be
-        # ahead.)
-        first, logprobs = start - seq.num_prompt_tokens, seq.logprobs
-        logprobs = None if logprobs is None else logprobs[first : seq.num_completion_tokens]
         return EngineCoreOutput(
             request_id=request.request_id, new_token_ids=seq.token_ids[start:], new_text=new_text,
             finished=finished, finish_reason=seq.finish_reason, stop_reason=stop_reason,
-            num_cached_tokens=request.first_seq.num_cached_tokens, new_logprobs=logprobs,
-            prompt_logprobs=request.first_seq.prompt_logprobs, index=seq.index)
+            num_cached_tokens=request.first_seq.num_cached_tokens, index=seq.index)
 
     def fail(self, seqs: list[Sequence], error: BaseException) -> list[EngineCoreOutput]:
         """A step raised: exactly its requests fail (each caller gets the error) and free their

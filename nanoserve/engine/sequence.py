@@ -9,7 +9,6 @@ import torch
 import xxhash
 from tokenizers.decoders import DecodeStream
 
-from nanoserve.outputs import Logprob
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -58,11 +57,6 @@ class Sequence:
         self.raw_logits = False
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
-        # Filled by the model runner if asked: one dict per output token, one per prompt token.
-        self.logprobs: list[dict[int, Logprob]] | None = (
-            None if sampling_params.logprobs is None else [])
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = (
-            None if sampling_params.prompt_logprobs is None else [None] * len(token_ids))
 
     def __len__(self) -> int:
         """The tokens the scheduler plans for (vLLM's num_tokens_with_spec): known, in flight and
@@ -130,8 +124,7 @@ class Request:
 
     @property
     def first_seq(self) -> Sequence:
-        """The sequence that prefills the prompt for all n: its cache hits and prompt logprobs are
-        the request's."""
+        """The sequence that prefills the prompt for all n: its cache hits are the request's."""
         return self.seqs[0]
 
     @property

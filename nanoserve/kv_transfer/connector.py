@@ -109,7 +109,8 @@ class P2pConnector:
         """A consumer's request, just queued, asks for the prompt blocks it lacks, at once."""
         params = request.sampling_params.kv_transfer_params
         seq = request.first_seq
-        if not params.get("do_remote_prefill") or seq.prompt_logprobs is not None:  # (that computes the prompt)
+        # (a prompt_logprobs request computes its prompt)
+        if not params.get("do_remote_prefill") or seq.sampling_params.prompt_logprobs is not None:
             return
         hashes = prompt_block_hashes(seq, self.block_size)[: cdiv(len(seq) - 1, self.block_size)]
         first = self._num_cached_blocks(seq, hashes)

@@ -26,9 +26,12 @@ def frees_blocks(config: Config) -> int:
     return max(windows) if all(windows) else 0
 
 
-def window_block_manager(config: Config) -> Callable[..., SlidingWindowBlockManager] | None:
+def window_block_manager(config: Config,
+                        block_manager_class: type[SlidingWindowBlockManager] = SlidingWindowBlockManager
+                        ) -> Callable[..., SlidingWindowBlockManager] | None:
     """The class of both pools (the device's and the swap pool), with the window, when every layer
-    is windowed; else None (a hybrid model: the core's BlockManager)."""
+    is windowed (block_manager_class: a subclass with chapters, nanoserve/chapters.py); else None (a
+    hybrid model: the core's BlockManager)."""
     window = frees_blocks(config)
     if not window:
         return None
@@ -40,5 +43,5 @@ def window_block_manager(config: Config) -> Callable[..., SlidingWindowBlockMana
         raise ValueError("kv_transfer_config: disaggregated prefill moves whole prompts' blocks, "
                          "not built for blocks freed behind a sliding window "
                          "(disable_sliding_window=True runs full attention instead)")
-    return partial(SlidingWindowBlockManager, sliding_window=window,
+    return partial(block_manager_class, sliding_window=window,
                    max_num_batched_tokens=config.max_num_batched_tokens)
