@@ -7,7 +7,7 @@ import pytest
 from tokenizers.decoders import DecodeStream
 
 from nanoserve import LLM, AsyncLLM, RequestOutputKind, SamplingParams
-from nanoserve.engine import output_processor
+from nanoserve.engine import sequence
 
 EMOJI = "Write one emoji and say café:"  # plain text: the model answers with emoji split over tokens
 CAFE = [{"role": "user", "content": "Write the French word for coffee, with its accent, three times."}]
@@ -85,7 +85,7 @@ def decode_steps(monkeypatch) -> list[int]:
             steps.append(token_id)
             return self.stream.step(tokenizer, token_id)
 
-    monkeypatch.setattr(output_processor, "DecodeStream", CountingStream)
+    monkeypatch.setattr(sequence, "DecodeStream", CountingStream)
     return steps
 
 

@@ -23,7 +23,13 @@ import uvicorn
 
 from nanoserve import AsyncLLM
 from nanoserve.chapter_configs import SWITCHES
-from nanoserve.config import CHAPTER_RECORDS, Config, core_option_fields, option_defaults
+from nanoserve.config import (
+    CHAPTER_RECORDS,
+    Config,
+    core_option_fields,
+    has_tokenizer,
+    option_defaults,
+)
 from nanoserve.serving.app import build_app
 from nanoserve.serving.lora import LoRAModulePath, parse_lora_module
 from nanoserve.serving.protocol import MAX_LOGPROBS
@@ -36,10 +42,10 @@ logger = logging.getLogger("nanoserve.serving")
 
 # The chapters a request asks for, off in LLM(...), on at the server, so that its OpenAI API serves
 # logprobs, structured outputs and use_beam_search as vLLM's does. Structured outputs need xgrammar
-# (an optional extra): on where it is installed.
-SERVE_DEFAULTS = {"max_logprobs": MAX_LOGPROBS,
-                  "enable_structured_outputs": importlib.util.find_spec("xgrammar") is not None,
+# (an optional extra) and the model's tokenizer: None, on where both are (engine_options).
+SERVE_DEFAULTS = {"max_logprobs": MAX_LOGPROBS, "enable_structured_outputs": None,
                   "enable_beam_search": True}
+XGRAMMAR = importlib.util.find_spec("xgrammar") is not None
 
 
 def field_comments(cls) -> dict[str, str]:
@@ -81,6 +87,10 @@ def add_flag(group, name: str, kind, default, comment: str) -> None:
 def engine_options(args: argparse.Namespace) -> dict:
     options = {name: getattr(args, name) for name in option_defaults()}
     options["step_records"] |= args.dashboard  # the dashboard streams the engine's step records
+    if options["enable_structured_outputs"] is None:  # (a hub id: its folder has a tokenizer)
+        model = getattr(args, "model", None)
+        options["enable_structured_outputs"] = XGRAMMAR and (
+            model is None or not os.path.isdir(model) or has_tokenizer(model))
     return options
 
 
