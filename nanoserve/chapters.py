@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from functools import partial
 
 from nanoserve import async_llm, llm
+from nanoserve.beam_search.scheduler import (BeamEngineCore, BeamExecutor, BeamInputBuilder,
+                                             BeamScheduler, BeamSchedulerOutput)
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
@@ -39,11 +41,12 @@ from nanoserve.step_records import StepRecord, step_recorder
 
 # ---- the composites: each part's chapters, in the order their overrides run ------------------------
 @dataclass
-class ChaptersSchedulerOutput(SwapSchedulerOutput, SchedulerOutput):
+class ChaptersSchedulerOutput(BeamSchedulerOutput, SwapSchedulerOutput, SchedulerOutput):
     """The plan with every chapter's fields."""
 
 
-class ChaptersScheduler(AsyncScheduler, PriorityScheduler, SwapScheduler, LoRAScheduler, Scheduler):
+class ChaptersScheduler(BeamScheduler, AsyncScheduler, PriorityScheduler, SwapScheduler,
+                        LoRAScheduler, Scheduler):
     output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -58,7 +61,7 @@ class ChaptersBlockManager(BlockManager):
     pass
 
 
-class ChaptersInputBuilder(InputBatch):
+class ChaptersInputBuilder(BeamInputBuilder, InputBatch):
     pass
 
 
@@ -66,11 +69,11 @@ class ChaptersModelRunner(LoRAModelRunner, ModelRunner):
     pass
 
 
-class ChaptersExecutor(SwapExecutor, LoRAExecutor, MultiprocExecutor):
-    pass
+class ChaptersExecutor(SwapExecutor, LoRAExecutor, MultiprocExecutor, BeamExecutor):
+    """(Beam search's after the ranks': with pipeline stages those receive the logits it reads.)"""
 
 
-class ChaptersEngineCore(PriorityEngineCore, LoRAEngineCore, BatchQueueEngineCore):
+class ChaptersEngineCore(BeamEngineCore, PriorityEngineCore, LoRAEngineCore, BatchQueueEngineCore):
     pass
 
 
@@ -139,10 +142,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
         manager = StructuredOutputManager.plug_in(engine)
         seams.request_checks["structured_outputs"] = lambda spec: None  # (checked when made)
         seams.request_options["structured_outputs"] = manager.add_request  # compiled at add
-    if config.beam_search_config is not None:  # beam search: beam_search/
-        from nanoserve.beam_search.scheduler import BeamScheduler
-
-        BeamScheduler.plug_in(engine)
 
 
 def check_num_logprobs(name: str, max_logprobs: int, vocab_size: int, k: int) -> None:
@@ -158,14 +157,13 @@ def check_num_logprobs(name: str, max_logprobs: int, vocab_size: int, k: int) ->
                          "pass LLM(..., max_logprobs=1) or more")
 
 
-def beam_search_feature(engine: EngineCore):
-    """The engine's BeamScheduler, plugged in with enable_beam_search=True; without it, a ValueError
-    naming that option, before anything is queued."""
-    beams = engine.seams.features.get("beam_search")
-    if beams is None:
+def beam_search_feature(engine: EngineCore) -> BeamEngineCore:
+    """The engine, built with enable_beam_search=True; without it, a ValueError naming that option,
+    before anything is queued (BeamEngineCore.check_beam_request)."""
+    if not isinstance(engine, BeamEngineCore) or engine.beam_search_config is None:
         raise ValueError("beam search: this engine was built without it; pass "
                          "LLM(..., enable_beam_search=True)")
-    return beams
+    return engine
 
 
 class LLM(llm.LLM):
@@ -201,9 +199,10 @@ class LLM(llm.LLM):
         token_ids = [llm.prompt_token_ids(self.tokenizer, p) for p in prompts]
         beams = beam_search_feature(self.engine)
         for ids in token_ids:  # all checked before any request is queued
-            beams.check_request(ids, params)
-        return self._add_and_run(prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
-                                 lambda request_id, i: beams.add_request(request_id, token_ids[i], params))
+            beams.check_beam_request(ids, params)
+        return self._add_and_run(
+            prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
+            lambda request_id, i: beams.add_beam_request(request_id, token_ids[i], params))
 
 
 class AsyncLLM(async_llm.AsyncLLM):
@@ -216,14 +215,14 @@ class AsyncLLM(async_llm.AsyncLLM):
         token_ids = llm.prompt_token_ids(self.tokenizer, prompt)
         request_id = str(next(self.request_ids)) if request_id is None else request_id
         beams = beam_search_feature(self.engine_core)
-        beams.check_request(token_ids, params)
+        beams.check_beam_request(token_ids, params)
         state = RequestState(request_id, llm.prompt_text(prompt), token_ids, RequestOutputKind.FINAL_ONLY,
                              params.beam_width)
-        add = lambda: beams.add_request(request_id, token_ids, params)  # noqa: E731 (runs in the engine thread)
+        add = lambda: beams.add_beam_request(request_id, token_ids, params)  # noqa: E731 (engine thread)
         async for output in self._stream(state, ("add", request_id, add)):
             yield output
 
     def check_beam_request(self, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
         """What beam_search would refuse, as a ValueError, before anything is queued (the server asks first)."""
-        beam_search_feature(self.engine_core).check_request(prompt_token_ids, params)
+        beam_search_feature(self.engine_core).check_beam_request(prompt_token_ids, params)
 

@@ -8,7 +8,8 @@ from test_reading_guide import files_run
 from test_scheduling_random import next_token, random_case
 
 from nanoserve import LLM
-from nanoserve.beam_search.scheduler import beam_rows
+from nanoserve.beam_search.scheduler import BeamSchedulerOutput
+from nanoserve.chapters import ChaptersInputBuilder
 from nanoserve.engine.model_runner import InputBuilder
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
@@ -22,9 +23,9 @@ BS, VOCAB, EOS = 4, 100, 2
 BUILDERS = ["plain", "persistent"]
 
 
-def builder(kind: str, block_size: int = BS) -> InputBuilder:
-    """The core's InputBuilder, with its plain loops, or the persistent batch's subclass of it."""
-    cls = InputBatch if kind == "persistent" else InputBuilder
+def builder(kind: str, block_size: int = BS, cls: type[InputBuilder] | None = None) -> InputBuilder:
+    """The core's InputBuilder, with its plain loops, or the persistent batch's subclass of it (or cls)."""
+    cls = cls or (InputBatch if kind == "persistent" else InputBuilder)
     return cls(block_size=block_size, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
 
 
@@ -34,9 +35,9 @@ def make(seq_id: int, prompt: list[int], block_table: list[int], **params) -> Se
     return seq
 
 
-def plan(*rows: tuple[Sequence, int]) -> SchedulerOutput:
+def plan(*rows: tuple[Sequence, int], out: SchedulerOutput | None = None) -> SchedulerOutput:
     """What Scheduler.schedule does with its picks: add each, then count the plan as done."""
-    out = SchedulerOutput()
+    out = SchedulerOutput() if out is None else out
     for seq, num_tokens in rows:
         out.add(seq, num_tokens)
     for row in out.rows:
@@ -182,20 +183,20 @@ def test_a_tiny_temperature_still_counts_as_used(kind):
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_lookahead_tokens_are_inputs_and_each_gets_a_sampling_row(kind):
     # a verifies 2 drafts after its newest token (rows 2, 3, 4: 1 + k sampling rows); b's request picks its own
-    # tokens (raw_logits: nothing drawn), its row after the sampled ones, where the beam search's seam puts it.
+    # tokens (a beam: nothing drawn), its row after the sampled ones, where the beam search's builder puts it.
     a = make(0, [10, 11, 12], [3, 6], temperature=0, presence_penalty=0.5)
     a.append_token(13)
     a.num_computed_tokens, a.spec_token_ids = 3, [14, 15]
     b = make(1, [20, 21], [5], temperature=0)
-    b.raw_logits = True
-    built = builder(kind)
-    built.extra_logits_rows["beam_search"] = beam_rows  # the beam search chapter's seam (beam_search/scheduler.py)
-    out = plan((a, 3), (b, 2))
+    # the beam search chapter's builder (beam_search/scheduler.py), over the core's or the persistent batch
+    built = builder(kind, cls=ChaptersInputBuilder)
+    built.persistent = kind == "persistent"
+    out = plan((a, 3), (b, 2), out=BeamSchedulerOutput(beam_seq_ids={1}))
     inputs = built.prepare_inputs(out)
     assert inputs.input_ids.tolist() == [13, 14, 15, 20, 21]
     assert inputs.positions.tolist() == [3, 4, 5, 0, 1]
     assert inputs.meta.slot_mapping.tolist() == [15, 24, 25, 20, 21]
-    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and inputs.extras["beam_search"] == (out, [3])
+    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and out.beam_logits_rows == [3]
     assert inputs.sample_seq_ids == [0, 0, 0] and inputs.spec_decode_tokens == {0: [14, 15]}
     # row (a, j) counts a's first j drafts as output (penalties)
     assert inputs.sampling.penalties.output_token_ids.tolist() == [[13, VOCAB, VOCAB], [13, 14, VOCAB], [13, 14, 15]]

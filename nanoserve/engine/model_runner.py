@@ -101,10 +101,10 @@ class InputBuilder:
                                        step.context_lens)
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens,
         # one per fork.
-        rows = [(s, j) for row in out.rows if row.do_sample and not row.seq.raw_logits
+        rows = [(s, j) for row in out.rows if out.draws(row)
                 for s, j in [(row.seq, j) for j in range(len(row.seq.spec_token_ids) + 1)]
                 + [(f, 0) for f in row.forks]]
-        # the seam: the prompt logprobs', the beams' rows
+        # the seam: the prompt logprobs' rows
         for name, extra_rows in self.extra_logits_rows.items():
             more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
             step.logits_rows += more
@@ -129,7 +129,7 @@ class InputBuilder:
             step.block_tables.append(seq.block_table)
             step.q_lens.append(row.num_tokens)
             step.context_lens.append(end)
-            if row.do_sample and not seq.raw_logits:  # the newest token's row, each lookahead's
+            if out.draws(row):  # the newest token's row, each lookahead's
                 newest = len(step.input_ids) - 1 - len(seq.spec_token_ids)
                 step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)]
                 step.logits_rows += [newest] * len(row.forks)  # one per fork

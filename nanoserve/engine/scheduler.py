@@ -4,7 +4,6 @@ preemption by recompute) with vLLM V1's token budget (enable_chunked_prefill); s
 from dataclasses import dataclass, field
 from itertools import islice
 
-import torch
 
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
@@ -48,12 +47,13 @@ class SchedulerOutput:
     # seq_id -> lookahead tokens
     scheduled_spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
     # What the step's output did, for its record (nanoserve/step_records.py): seq_id -> how many
-    # lookahead tokens passed; the logits rows of sequences with raw_logits (beam search), in order;
-    # beam search's forked beams (new beam, its parent) and dropped ones (without a child, freed).
+    # lookahead tokens passed.
     num_accepted_tokens: dict[int, int] = field(default_factory=dict)
-    raw_logits: torch.Tensor | None = None
-    forked_beams: list[tuple[int, int]] = field(default_factory=list)
-    dropped_beams: list[int] = field(default_factory=list)
+
+    def draws(self, row: ScheduledSequence) -> bool:
+        """Does the sampler draw row's tokens? Every row that samples, in the core (a chapter's
+        request may pick its own from the logits)."""
+        return row.do_sample
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -237,12 +237,12 @@ class Scheduler:
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
         """Take a step's tokens in
-        (1 each, n for a forking prompt, 1 + k after k lookahead, none for raw_logits)."""
+        (1 each, n for a forking prompt, 1 + k after k lookahead, none where none was drawn)."""
         sampled, updated = iter(token_ids), []
         for row in out.rows:
             seq = row.seq
             lookahead = out.scheduled_spec_decode_tokens.get(seq.seq_id, [])
-            num_drawn = 0 if seq.raw_logits else row.do_sample + len(row.forks) + len(lookahead)
+            num_drawn = out.draws(row) + len(row.forks) + len(lookahead)
             new_token_ids = list(islice(sampled, num_drawn))
             if seq.is_finished:
                 continue

@@ -54,8 +54,6 @@ class Sequence:
         # lookahead tokens the next step verifies (nanoserve/spec_decode/)
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
-        # its request picks its own tokens from the raw logits (beam search): none drawn
-        self.raw_logits = False
         # structured outputs' matcher, if its request has a grammar (nanoserve/structured_output/)
         self.grammar = None
         seed = sampling_params.seed
