@@ -14,8 +14,13 @@ from dataclasses import dataclass
 from functools import partial
 
 from nanoserve import async_llm, llm
-from nanoserve.beam_search.scheduler import (BeamEngineCore, BeamExecutor, BeamInputBuilder,
-                                             BeamScheduler, BeamSchedulerOutput)
+from nanoserve.beam_search.scheduler import (
+    BeamEngineCore,
+    BeamExecutor,
+    BeamInputBuilder,
+    BeamScheduler,
+    BeamSchedulerOutput,
+)
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
@@ -218,7 +223,8 @@ class AsyncLLM(async_llm.AsyncLLM):
         beams.check_beam_request(token_ids, params)
         state = RequestState(request_id, llm.prompt_text(prompt), token_ids, RequestOutputKind.FINAL_ONLY,
                              params.beam_width)
-        add = lambda: beams.add_beam_request(request_id, token_ids, params)  # noqa: E731 (engine thread)
+        def add() -> None:  # (runs in the engine thread)
+            beams.add_beam_request(request_id, token_ids, params)
         async for output in self._stream(state, ("add", request_id, add)):
             yield output
 

@@ -78,7 +78,8 @@ class InputBatch(InputBuilder):
         placeholders = np.flatnonzero(positions >= known[owner])  # async scheduling: filled in on the device
         input_ids[placeholders] = 0
         slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
-        # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per fork.
+        # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per
+        # fork.
         drawn = np.array([out.draws(row) for row in out.rows])
         counts = drawn * (1 + num_drafts + np.array([len(row.forks) for row in out.rows]))
         sampler = np.repeat(np.arange(n), counts)

@@ -48,7 +48,7 @@ class BeamSchedulerOutput(SchedulerOutput):
 
     beam_seq_ids: set[int] = field(default_factory=set)  # the rows that are beams
     beam_logits_rows: list[int] = field(default_factory=list)  # their rows among the logits
-    raw_logits: torch.Tensor | None = None  # those rows' logits, one per beam that sampled, in order
+    raw_logits: torch.Tensor | None = None  # those rows' logits, a row per beam that sampled
     forked_beams: list[tuple[int, int]] = field(default_factory=list)  # (new beam, its parent)
     dropped_beams: list[int] = field(default_factory=list)  # beams without a child, freed
     finished_searches: list["BeamRequest"] = field(default_factory=list)  # done: the engine answers
@@ -187,8 +187,9 @@ class BeamInputBuilder(InputBuilder):
 
 
 class BeamExecutor(Executor):
-    """Hands the beams' logits rows back with the plan (out.raw_logits) for the beam step. (It comes
-    after the ranks' executor in the composite: with pipeline stages that one receives the logits.)"""
+    """Hands the beams' logits rows back with the plan (out.raw_logits) for the beam step. (It
+    comes after the ranks' executor in the composite: with pipeline stages that one receives the
+    logits.)"""
 
     def __init__(self, config: Config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -202,7 +203,8 @@ class BeamExecutor(Executor):
 
 
 class BeamEngineCore(EngineCore):
-    """Checks and adds beam requests (LLM.beam_search), and returns a finished search's hypotheses."""
+    """Checks and adds beam requests (LLM.beam_search), and returns each finished search's
+    hypotheses."""
 
     scheduler: BeamScheduler
 

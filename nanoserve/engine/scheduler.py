@@ -4,7 +4,6 @@ preemption by recompute) with vLLM V1's token budget (enable_chunked_prefill); s
 from dataclasses import dataclass, field
 from itertools import islice
 
-
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.seams import Seams

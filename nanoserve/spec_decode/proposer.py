@@ -26,8 +26,9 @@ it finishes no request, so it returns no output.)"""
             continue
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)
-        # (A grammar keeps the n-gram drafts it allows; a draft model's drafts are drawn unmasked, so a
-        # grammar-constrained request takes none of them. A beam's are dropped: beam_search/scheduler.py.)
+        # (A grammar keeps the n-gram drafts it allows; a draft model's drafts are drawn
+        # unmasked, so a grammar-constrained request takes none of them. A beam's are dropped:
+        # beam_search/scheduler.py.)
         decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1
                     and (ngram is not None or seq.grammar is None))
         if not (enabled and decoding and k):
