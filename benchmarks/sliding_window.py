@@ -42,16 +42,19 @@ def run(path: str, args: argparse.Namespace, **options) -> dict:
     llm = LLM(path, block_size=BLOCK_SIZE, num_kvcache_blocks=args.blocks, max_num_seqs=args.requests,
               max_model_len=args.prompt + args.max_tokens, **options)
     most_held, running_per_step = 0, []
+    step = llm.engine.step
 
-    def observe(plan, seqs):
+    def observed_step():  # after each step
         nonlocal most_held
+        outputs = step()
         running = llm.engine.scheduler.running
         running_per_step.append(len(running))
         for seq in running:
             if seq.num_computed_tokens >= len(seq) - 1:  # decoding
                 most_held = max(most_held, sum(b != NULL_BLOCK for b in seq.block_table))
+        return outputs
 
-    llm.engine.seams.observers.append(observe)
+    llm.engine.step = observed_step
     prompts = [[3 + (7 * i + j) % 500 for j in range(args.prompt)] for i in range(args.requests)]
     start = time.perf_counter()
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True),

@@ -107,6 +107,12 @@ class ObservabilityConfig:
     (step_records.py). Config always holds one."""
 
     trace: bool = False  # record every step in llm.trace (tools/trace.py prints and plots it)
+    step_records: bool = False  # record every step for listeners, keeping none (serve --dashboard)
+
+    @property
+    def records_steps(self) -> bool:
+        """Does the engine make step records (StepRecordsEngineCore)? trace keeps them too."""
+        return self.trace or self.step_records
 
 
 # The chapters a request asks for. vLLM serves them on every engine; nanoserve's LLM(...) builds

@@ -7,8 +7,8 @@ part of the engine (`ChaptersScheduler` ...), whose bases list them in the order
 when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py checks that
 it runs the core alone), else the composites. Chapters that still plug into the seams
 (engine/seams.py) are handed them after the engine is built, those a request asks for too (logprobs
-with max_logprobs > 0, structured outputs and beam search with their enable_ options): a request
-asking for one the engine lacks is refused, naming the option.
+with max_logprobs > 0, structured outputs with its enable_ option): a request asking for one the
+engine lacks is refused, naming the option (beam search: `beam_search_feature`).
 """
 from dataclasses import dataclass
 from functools import partial
@@ -41,7 +41,7 @@ from nanoserve.scheduling.priority import PriorityEngineCore, PriorityScheduler
 from nanoserve.scheduling.swap import SwapExecutor, SwapScheduler, SwapSchedulerOutput
 from nanoserve.scheduling.swap import plug_in as plug_in_swap
 from nanoserve.sliding_window import frees_blocks, window_block_manager
-from nanoserve.step_records import StepRecord, step_recorder
+from nanoserve.step_records import StepRecord, StepRecordsEngineCore
 
 
 # ---- the composites: each part's chapters, in the order their overrides run ------------------------
@@ -78,8 +78,9 @@ class ChaptersExecutor(SwapExecutor, LoRAExecutor, MultiprocExecutor, BeamExecut
     """(Beam search's after the ranks': with pipeline stages those receive the logits it reads.)"""
 
 
-class ChaptersEngineCore(BeamEngineCore, PriorityEngineCore, LoRAEngineCore, BatchQueueEngineCore):
-    pass
+class ChaptersEngineCore(StepRecordsEngineCore, BeamEngineCore, PriorityEngineCore, LoRAEngineCore,
+                         BatchQueueEngineCore):
+    """(The records' core first: it records a step last, once every other chapter took it in.)"""
 
 
 def asks_for_chapters(config: Config) -> bool:
@@ -89,8 +90,8 @@ def asks_for_chapters(config: Config) -> bool:
                 scheduling.async_scheduling, config.device.startswith("cuda"),
                 config.parallel_config.world_size > 1, launched_by_torchrun(), frees_blocks(config),
                 config.lora_config, config.speculative_config, config.kv_offload_config,
-                config.kv_transfer_config, config.observability_config.trace, config.logprobs_config,
-                config.structured_outputs_config, config.beam_search_config))
+                config.kv_transfer_config, config.observability_config.records_steps,
+                config.logprobs_config, config.structured_outputs_config, config.beam_search_config))
 
 
 def build_engine(config: Config) -> EngineCore:
@@ -129,8 +130,6 @@ def plug_in_chapters(engine: EngineCore) -> None:
         from nanoserve.kv_transfer import plug_in as plug_in_kv_transfer
 
         plug_in_kv_transfer(engine)
-    if config.observability_config.trace:  # step records: step_records.py (the dashboard: its own)
-        step_recorder(engine, keep=True)
     # The chapters a request asks for: plugged in when the config asks; a request asking for one the
     # engine lacks is refused by name (EngineCore.check_request, sampling_params.FEATURE_OPTIONS).
     max_logprobs = 0 if config.logprobs_config is None else config.logprobs_config.max_logprobs
@@ -178,8 +177,10 @@ class LLM(llm.LLM):
     @property
     def trace(self) -> list[StepRecord] | None:
         """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else None."""
-        recorder = self.engine.seams.features.get("step_records")
-        return None if recorder is None else recorder.trace
+        engine = self.engine
+        if isinstance(engine, StepRecordsEngineCore) and engine.step_recorder is not None:
+            return engine.step_recorder.trace
+        return None
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: llm.Params = None,
              use_tqdm: bool = True,

@@ -1,15 +1,20 @@
-"""Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the queues and
-the KV pool after it. A StepRecorder is an observer (the engine's last seam, engine/seams.py).
-`nanoserve/tools/trace.py` prints and plots them; the server's dashboard (`nanoserve serve --dashboard`) streams
-them. With neither on, nothing here runs."""
-from collections.abc import Callable, Iterable
+"""Step records for `LLM(..., trace=True)`: what each engine step ran, moved and finished, with the
+queues and the KV pool after it. `StepRecordsEngineCore` is the engine core that makes them, once
+per step (as vLLM's stat loggers are called): its `step_recorder` keeps them for `llm.trace` and
+hands each to its listeners. `nanoserve/tools/trace.py` prints and plots them; the server's
+dashboard (`nanoserve serve --dashboard`, whose engine has `step_records=True`) streams them. With
+neither on, nothing here runs."""
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 
+from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
+from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-from nanoserve.engine.sequence import Sequence, SequenceStatus
+from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
 from nanoserve.lora.engine import LoRAScheduler
+from nanoserve.scheduling.swap import SwapSchedulerOutput
 
 
 @dataclass
@@ -81,9 +86,10 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
     decodes = [r.is_decode for r in scheduled]
     kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
-    swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}
+    swap_ins = out.blocks_to_swap_in if isinstance(out, SwapSchedulerOutput) else []  # (swap.py's)
+    swapped_in_blocks = {device_block for _, device_block in swap_ins}
     bm = scheduler.block_manager
-    tier = bm.seams.kv_cache_tier  # kv_offload/'s HostKVTier, if plugged in
+    num_host_cached_blocks, num_host_blocks = bm.num_offloaded_blocks()  # (kv_offload/'s host tier)
     swapped_queue = scheduler.queues().get("swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *swapped_queue]
     return StepRecord(
@@ -107,9 +113,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
         blocks_copied=list(out.blocks_to_copy),
         forked=list(out.forked_beams), dropped=list(out.dropped_beams),
         blocks_offloaded=list(out.blocks_to_offload), blocks_loaded=list(out.blocks_to_load),
-        num_host_cached_blocks=len(tier.cached) if tier is not None else 0,
-        num_host_blocks=tier.num_blocks if tier is not None else 0,
-        num_freed_behind_window=getattr(bm, "num_freed_behind_window", 0),
+        num_host_cached_blocks=num_host_cached_blocks, num_host_blocks=num_host_blocks,
+        num_freed_behind_window=bm.num_skipped_blocks(),
     )
 
 
@@ -125,9 +130,10 @@ class StepView:
 
 
 class StepRecorder:
-    """An engine's observer that records each step: `LLM(..., trace=True)` keeps them all in `trace`; each listener
-    (`nanoserve serve --dashboard`) gets it then and there, in the engine's thread, and None when an abort changed
-    the queues and blocks between steps. With no trace and no listener, no record is made."""
+    """Records each step (StepRecordsEngineCore calls it): `LLM(..., trace=True)` keeps them all in
+    `trace`; each listener (`nanoserve serve --dashboard`) gets it then and there, in the engine's
+    thread, and None when an abort changed the queues and blocks between steps. With no trace and no
+    listener, no record is made."""
 
     def __init__(self, scheduler: Scheduler, keep: bool):
         self.scheduler = scheduler
@@ -135,13 +141,11 @@ class StepRecorder:
         self.listeners: list[Callable[[StepRecord | None], None]] = []
         self.num_steps = 0
 
-    def __call__(self, out: SchedulerOutput | None, updated: Iterable[Sequence]) -> None:
-        if out is None:  # an abort, between steps
-            self.notify(None)
-            return
+    def record(self, out: SchedulerOutput, updated: list[Sequence]) -> None:
+        """The step planned as out is done; updated: its sequences that got tokens."""
         if self.trace is None and not self.listeners:
             return
-        record = record_step(self.num_steps, out, list(updated), self.scheduler)
+        record = record_step(self.num_steps, out, updated, self.scheduler)
         self.num_steps += 1
         if self.trace is not None:
             self.trace.append(record)
@@ -197,9 +201,34 @@ class StepReader:
         return StepView(states, labels, hits, spec)
 
 
-def step_recorder(engine: EngineCore, keep: bool = False) -> StepRecorder:
-    """The engine's StepRecorder (an observer), plugged in now if it has none."""
-    if "step_records" not in engine.seams.features:
-        engine.seams.features["step_records"] = recorder = StepRecorder(engine.scheduler, keep)
-        engine.seams.observers.append(recorder)
-    return engine.seams.features["step_records"]
+class StepRecordsEngineCore(EngineCore):
+    """The engine core that records each step once its output is taken in (observability_config:
+    trace, step_records), and tells the listeners when an abort changed the queues between steps.
+    With neither option it is the core's EngineCore (step_recorder is None)."""
+
+    def __init__(self, config: Config, *args, **kwargs):
+        super().__init__(config, *args, **kwargs)
+        observability = config.observability_config
+        self.step_recorder: StepRecorder | None = None
+        if observability.records_steps:
+            self.step_recorder = StepRecorder(self.scheduler, keep=observability.trace)
+        self.updated_seqs: list[Sequence] = []  # the step's sequences that got tokens, in order
+
+    def _update_from_output(self, out: SchedulerOutput,
+                            token_ids: list[int]) -> list[EngineCoreOutput]:
+        self.updated_seqs = []
+        outputs = super()._update_from_output(out, token_ids)
+        if self.step_recorder is not None:
+            self.step_recorder.record(out, self.updated_seqs)
+        return outputs
+
+    def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:
+        if self.step_recorder is not None:  # (the core makes one output per sequence it updated)
+            self.updated_seqs.append(seq)
+        return super()._output(request, seq, num_new)
+
+    def abort_request(self, request_id: str) -> bool:
+        aborted = super().abort_request(request_id)
+        if aborted and self.step_recorder is not None:  # the queues and blocks changed: no step
+            self.step_recorder.notify(None)
+        return aborted

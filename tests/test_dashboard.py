@@ -21,7 +21,7 @@ from nanoserve import LLM, AsyncLLM, LoRARequest, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.serving.app import build_app
 from nanoserve.serving.dashboard import PAGE, StepStream, event, page_config, stream_steps
-from nanoserve.step_records import StepRecord, step_recorder
+from nanoserve.step_records import StepRecord, StepRecordsEngineCore
 from nanoserve.tools.trace_pictures import LORA_COLOURS, STATES
 
 GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
@@ -30,9 +30,9 @@ GREEDY = SamplingParams(temperature=0, ignore_eos=True, max_tokens=8)
 def engine_with_stream(model: str, **options) -> tuple[LLM, StepStream, list[dict]]:
     """An LLM whose every step goes through a StepStream that reads the engine at every step (interval 0);
     the list collects the engine state after each step."""
-    llm = LLM(model, block_size=4, max_model_len=128, **options)
+    llm = LLM(model, block_size=4, max_model_len=128, step_records=True, **options)
     stream, states = StepStream(llm.engine, interval=0), []
-    step_recorder(llm.engine).listeners += [stream.record, lambda rec: states.append(stream.engine)]
+    llm.engine.step_recorder.listeners += [stream.record, lambda rec: states.append(stream.engine)]
     return llm, stream, states
 
 
@@ -100,10 +100,10 @@ def test_records_prefix_hits_shared_blocks_and_swaps(tiny_models):
 def test_engine_read_at_most_every_interval_and_when_idle(tiny_models):
     """The blocks and queues are read at the first step (the interval is an hour) and when the engine falls idle;
     the steps in between wait for the second reading, so the page never shows steps ahead of its blocks."""
-    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
+    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16, step_records=True)
     stream, reads, sent = StepStream(llm.engine, interval=3600), [], []
     stream.read_engine = lambda: reads.append(len(llm.engine.scheduler.running)) or {"reading": len(reads)}
-    step_recorder(llm.engine).listeners += [stream.record, lambda rec: sent.append(stream.since(0))]
+    llm.engine.step_recorder.listeners += [stream.record, lambda rec: sent.append(stream.since(0))]
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # 8 steps
     assert reads == [1, 0] and stream.num_records == 8
     assert [(len(steps), engine) for steps, _, engine, _ in sent] == [(1, {"reading": 1})] * 7 + [(8, {"reading": 2})]
@@ -111,9 +111,9 @@ def test_engine_read_at_most_every_interval_and_when_idle(tiny_models):
 
 def test_an_abort_that_leaves_the_engine_idle_is_read(tiny_models):
     """Aborts make no step; the last one, which leaves the engine idle with no step to come, is read at once."""
-    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
+    llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16, step_records=True)
     stream = StepStream(llm.engine, interval=3600)
-    step_recorder(llm.engine).listeners.append(stream.record)
+    llm.engine.step_recorder.listeners.append(stream.record)
     for name in "AB":
         llm.engine.add_request(name, [ord(name), 5, 6, 7, 8], GREEDY)
     llm.engine.step()
@@ -187,20 +187,23 @@ def test_events_are_batched_at_most_every_interval(tiny_models):
 
 
 def test_off_by_default_nothing_recorded(tiny_models, monkeypatch):
-    """Without --dashboard (and without trace) the engine has no step listener, makes no record, and the server
-    has no dashboard routes."""
+    """Without --dashboard (and without trace) the engine has no step recorder, makes no record, and the server
+    has no dashboard routes; a dashboard on such an engine is refused."""
     def fail(*args):
         raise AssertionError("a step record was made")
 
     monkeypatch.setattr("nanoserve.step_records.record_step", fail)
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)
-    assert llm.engine.seams.observers == [] and "step_records" not in llm.engine.seams.features
+    assert not isinstance(llm.engine, StepRecordsEngineCore) and llm.trace is None
     engine = AsyncLLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16)
     try:
         client = TestClient(build_app(engine, "tiny"))
         assert client.get("/dashboard").status_code == 404 and client.get("/debug/steps").status_code == 404
-        assert engine.engine_core.seams.observers == [] and not engine.engine_core.seams.features
+        assert not isinstance(engine.engine_core, StepRecordsEngineCore)
+        with pytest.raises(ValueError, match="dashboard: the engine makes no step records; build it with "
+                                             "step_records=True"):
+            build_app(engine, "tiny", dashboard=True)
     finally:
         engine.shutdown()
 

@@ -16,7 +16,6 @@ from conftest import make_model
 from nanoserve import LLM, AsyncLLM, LoRARequest, SamplingParams
 from nanoserve.serving.app import build_app
 from nanoserve.serving.cli import add_serve_flags, app_from_args, engine_options, main
-from nanoserve.step_records import step_recorder
 
 MAX_TOKENS = 8
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -59,7 +58,8 @@ def served(model, adapters):
     as name=path and as vLLM's JSON item."""
     args = parse([model, "--served-model-name", "base", "--enable-lora", "--max-loras", "2", "--max-lora-rank", "8",
                   *POOL, "--lora-modules", f"style={adapters['style']}",
-                  json.dumps({"name": "terse", "path": adapters["terse"]}), "--allow-runtime-lora-updating"])
+                  json.dumps({"name": "terse", "path": adapters["terse"]}), "--allow-runtime-lora-updating",
+                  "--step-records"])
     engine = AsyncLLM(args.model, **engine_options(args))
     try:
         yield engine, app_from_args(engine, args), build_app(engine, "base")
@@ -82,7 +82,7 @@ def offline(llm: LLM, adapters: dict[str, str], name: str | None, prompts=PROMPT
 def test_model_picks_the_adapter_in_one_batch(served, llm, adapters):
     """Completions for the base model and both adapters at once, then chat and the Responses API by name."""
     engine, app, _ = served
-    recorder = step_recorder(engine.engine_core)
+    recorder = engine.engine_core.step_recorder
     batches = []
     recorder.listeners.append(lambda rec: rec and batches.append({r.lora_name for r in rec.scheduled}))
     body = dict(prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)

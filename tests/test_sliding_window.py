@@ -146,14 +146,14 @@ def test_a_long_sequence_holds_at_most_its_window(tmp_path):
     path = save_model(tmp_path / "m", MistralConfig(**{**NO_EOS, "max_position_embeddings": 2048}, sliding_window=128,
                                                     tie_word_embeddings=False))
     # (A request must still fit the pool whole: preempted to recompute, it prefills its whole context again.)
-    llm = LLM(path, block_size=BLOCK_SIZE, num_kvcache_blocks=130, max_model_len=2048)
+    llm = LLM(path, block_size=BLOCK_SIZE, num_kvcache_blocks=130, max_model_len=2048, step_records=True)
     held = []
 
-    def observe(plan, seqs):
+    def observe(record):  # after each step
         for seq in llm.engine.scheduler.running:
             held.append((len(seq), sum(b != NULL_BLOCK for b in seq.block_table), list(seq.block_table)))
 
-    llm.engine.seams.observers.append(observe)
+    llm.engine.step_recorder.listeners.append(observe)
     llm.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=2000 - 37, ignore_eos=True),
                  use_tqdm=False)
     assert held[-1][0] == 1999 and max(n for _, n, _ in held) == 9

@@ -70,6 +70,17 @@ class BlockManager:
                 break
         return hit_ids, tier_hashes
 
+    def num_offloaded_blocks(self) -> tuple[int, int]:
+        """The second tier's books (the step records show them): its blocks holding an evicted
+        cached block's KV, and all its blocks; (0, 0) without a tier."""
+        tier = self.seams.kv_cache_tier
+        return (0, 0) if tier is None else (len(tier.cached), tier.num_blocks)
+
+    def num_skipped_blocks(self) -> int:
+        """Blocks handed back from running sequences' tables so far, null_block in their place
+        (vLLM's skipped blocks: those behind a window). None here: a sequence holds its blocks."""
+        return 0
+
     def cached_block_id(self, block_hash: int, token_ids: list[int]) -> int | None:
         """The block holding the KV of token_ids under block_hash,
         if cached (its tokens checked too)."""

@@ -78,7 +78,9 @@ def add_flag(group, name: str, kind, default, comment: str) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {name: getattr(args, name) for name in option_defaults()}
+    options = {name: getattr(args, name) for name in option_defaults()}
+    options["step_records"] |= args.dashboard  # the dashboard streams the engine's step records
+    return options
 
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:

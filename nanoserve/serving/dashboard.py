@@ -1,13 +1,14 @@
 """`nanoserve serve --dashboard`: the engine at work, live, for a workshop's projector (GET /dashboard).
 
-The engine thread hands each step's record (step_records.py) to a `StepStream`, one of the engine core's step
-listeners. It turns the record into the page's JSON and keeps the last `max_records` of them in a bounded buffer,
-the oldest dropped; every `interval` seconds, and when the engine falls idle (after a step or an abort), it also
-reads the KV pools block by block and the queues with each request's progress, there in the engine thread, where
-nothing changes under it. GET /debug/steps sends each browser what is new up to that reading, as one server-sent
-event at most every `interval` seconds: a browser that falls behind misses records (the event says how many), an
-absent one costs nothing, the engine never waits for either. Without --dashboard there is no listener and the
-engine records nothing.
+The engine thread hands each step's record (step_records.py) to a `StepStream`, a listener of the
+engine core's step recorder (the server builds its engine with `step_records=True` for it). It
+turns the record into the page's JSON and keeps the last `max_records` of them in a bounded buffer,
+the oldest dropped; every `interval` seconds, and when the engine falls idle (after a step or an
+abort), it also reads the KV pools block by block and the queues with each request's progress,
+there in the engine thread, where nothing changes under it. GET /debug/steps sends each browser what
+is new up to that reading, as one server-sent event at most every `interval` seconds: a browser that
+falls behind misses records (the event says how many), an absent one costs nothing, the engine never
+waits for either. Without --dashboard the engine has no recorder and records nothing.
 
 dashboard.html (plain JavaScript and SVG, nothing to install, nothing fetched from elsewhere) reads only the JSON
 that `step_json`, `read_engine` and `refusals` write: when the engine's records change, these are the place to
@@ -30,7 +31,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse, StreamingResponse
 from nanoserve.config import Config
 from nanoserve.scheduling.swap import SwapScheduler
 from nanoserve.serving.protocol import APIError
-from nanoserve.step_records import StepReader, StepRecord, StepView, step_recorder
+from nanoserve.sliding_window import SlidingWindowBlockManager
+from nanoserve.step_records import StepReader, StepRecord, StepRecordsEngineCore, StepView
 
 PAGE = Path(__file__).with_name("dashboard.html")
 COOKIE = "nanoserve_api_key"
@@ -93,8 +95,11 @@ def read_engine(core, max_blocks: int, max_requests: int) -> dict:
                      generated=seq.num_completion_tokens, max_tokens=seq.sampling_params.max_tokens,
                      cached=seq.num_cached_tokens)
                 for name, queue in queues.items() for seq in islice(queue, max_requests)]
-    tier = core.seams.kv_cache_tier  # the prefix cache's host tier (kv_offload/), in counts; None when off
-    host_tier = None if tier is None else dict(cached=len(tier.cached), num_blocks=tier.num_blocks)
+    # The prefix cache's host tier (kv_offload/), in counts; None when off
+    num_tier_cached, num_tier_blocks = pool.num_offloaded_blocks()
+    host_tier = None
+    if num_tier_blocks:
+        host_tier = dict(cached=num_tier_cached, num_blocks=num_tier_blocks)
     return dict(blocks=blocks, num_blocks=pool.num_blocks, host_blocks=host_blocks,
                 num_host_blocks=host.num_blocks if host else 0, requests=requests,
                 queue_lengths={name: len(queue) for name, queue in queues.items()}, stats=asdict(scheduler.stats),
@@ -106,7 +111,7 @@ def refusals(core) -> dict | None:
     so far, and the latest reasons; None on an engine without them. Read from the HTTP side: a refusal
     happens in the caller's thread, not in a step, and may come while the engine is idle."""
     pool = core.block_manager
-    if not hasattr(pool, "refused"):
+    if not isinstance(pool, SlidingWindowBlockManager):
         return None
     return dict(num=pool.num_refused, reasons=list(pool.refused.copy()))  # (a deque copies at once)
 
@@ -201,11 +206,15 @@ def sent_keys(request: Request) -> list[str]:
 
 def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) -> None:
     """GET /dashboard (the page) and GET /debug/steps (its events), behind the server's API key when it has one.
-    `engine` is the AsyncLLM: the stream becomes a step listener of its engine core."""
+    `engine` is the AsyncLLM, built with step_records=True: the stream listens to its engine
+    core's step recorder."""
     core = engine.engine_core
+    if not isinstance(core, StepRecordsEngineCore) or core.step_recorder is None:
+        raise ValueError("dashboard: the engine makes no step records; build it with "
+                         "step_records=True (nanoserve serve --dashboard does)")
     stream = StepStream(core)
     stream.engine = stream.read_engine()  # the server takes no request yet: the engine thread is idle
-    step_recorder(core).listeners.append(stream.record)
+    core.step_recorder.listeners.append(stream.record)
     config = page_config(core.config, model_name)
     page = PAGE.read_text()
 

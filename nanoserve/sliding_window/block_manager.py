@@ -42,6 +42,9 @@ class SlidingWindowBlockManager(BlockManager):
         self.num_blocks -= 1  # the null block is no block of the pool's
         self.num_freed_behind_window = 0  # blocks handed back so far (the step records show it)
 
+    def num_skipped_blocks(self) -> int:
+        return self.num_freed_behind_window
+
     def first_needed_block(self, seq: Sequence) -> int:
         """The next token to compute sits at num_computed_tokens and sees back to num_computed_tokens - W + 1:
         no layer reads the blocks before this one again."""
