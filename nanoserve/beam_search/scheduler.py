@@ -54,6 +54,7 @@ class BeamSchedulerOutput(SchedulerOutput):
     finished_searches: list["BeamRequest"] = field(default_factory=list)  # done: the engine answers
 
     def draws(self, row: ScheduledSequence) -> bool:
+        """Nothing is drawn for a beam: its search picks from the raw logits."""
         return super().draws(row) and row.seq.seq_id not in self.beam_seq_ids
 
 
