@@ -1,4 +1,5 @@
-"""nanoserve: a small, readable LLM inference engine (paged KV cache, continuous batching, prefix caching)."""
+"""nanoserve: a small, readable LLM inference engine (paged KV cache, continuous batching, prefix
+caching)."""
 from nanoserve.utils.threads import set_thread_defaults
 
 set_thread_defaults()  # first: OpenMP reads its settings when the imports below load torch
@@ -10,5 +11,5 @@ from nanoserve.lora_request import LoRARequest  # noqa: E402
 from nanoserve.outputs import CompletionOutput, RequestOutput  # noqa: E402
 from nanoserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
-__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput", "CompletionOutput",
-           "BeamSearchParams", "LoRARequest", "KVTransferConfig"]
+__all__ = ["LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "RequestOutput",
+           "CompletionOutput", "BeamSearchParams", "LoRARequest", "KVTransferConfig"]

@@ -5,14 +5,17 @@ from typing import Literal
 
 @dataclass
 class BeamSearchParams:
-    """How to run a beam search, in vLLM's shape; the search itself follows transformers (docs/beam_search.md)."""
+    """How to run a beam search, in vLLM's shape; the search itself follows transformers
+    (docs/beam_search.md)."""
 
     beam_width: int  # beams kept each step, and sequences returned
     max_tokens: int  # a beam that reaches this many generated tokens is finished
     ignore_eos: bool = False  # EOS is a token like any other: every beam runs to max_tokens
-    temperature: float = 0.0  # > 0: beams are scored by log_softmax(logits / temperature); 0 (the default) as 1
+    # > 0: beams are scored by log_softmax(logits / temperature); 0 (the default) as 1
+    temperature: float = 0.0
     length_penalty: float = 1.0  # a finished beam scores sum_logprobs / (length ** length_penalty)
-    early_stopping: bool | Literal["never"] = False  # when to stop once beam_width beams are finished
+    # when to stop once beam_width beams are finished
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         for name in ("beam_width", "max_tokens"):
@@ -27,4 +30,5 @@ class BeamSearchParams:
                 limit = "a finite number >= 0" if low == 0 else "a finite number"
                 raise ValueError(f"{name} must be {limit}, got {value!r}")
         if not (type(self.early_stopping) is bool or self.early_stopping == "never"):
-            raise ValueError(f'early_stopping must be True, False or "never", got {self.early_stopping!r}')
+            raise ValueError('early_stopping must be True, False or "never", '
+                             f'got {self.early_stopping!r}')

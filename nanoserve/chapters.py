@@ -1,11 +1,12 @@
-"""The chapters: nanoserve's LLM and AsyncLLM, the core's with every feature plugged in (`nanoserve.LLM`).
+"""The chapters: nanoserve's LLM and AsyncLLM, the core's with every feature plugged in
+(`nanoserve.LLM`).
 
 A chapter is a subclass of each core class it changes, overriding methods the core already has, and
-each does nothing of its own unless its config asks for it. They meet here, in one composite class per
-part of the engine (`ChaptersScheduler` ...), whose bases list them in the order their overrides run
-(each calls `super()`, down to the core's). `build_engine(config)` builds the core's classes alone
-when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py checks that
-it runs the core alone), else the composites. Chapters that still plug into the seams
+each does nothing of its own unless its config asks for it. They meet here, in one composite class
+per part of the engine (`ChaptersScheduler` ...), whose bases list them in the order their overrides
+run (each calls `super()`, down to the core's). `build_engine(config)` builds the core's classes
+alone when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py
+checks that it runs the core alone), else the composites. Chapters that still plug into the seams
 (engine/seams.py) are handed them after the engine is built, those a request asks for too (logprobs
 with max_logprobs > 0, structured outputs with its enable_ option): a request asking for one the
 engine lacks is refused, naming the option (beam search: `beam_search_feature`).
@@ -44,7 +45,7 @@ from nanoserve.sliding_window import frees_blocks, window_block_manager
 from nanoserve.step_records import StepRecord, StepRecordsEngineCore
 
 
-# ---- the composites: each part's chapters, in the order their overrides run ------------------------
+# ---- the composites: each part's chapters, in the order their overrides run ----------------------
 @dataclass
 class ChaptersSchedulerOutput(BeamSchedulerOutput, SwapSchedulerOutput, SchedulerOutput):
     """The plan with every chapter's fields."""
@@ -91,7 +92,8 @@ def asks_for_chapters(config: Config) -> bool:
                 config.parallel_config.world_size > 1, launched_by_torchrun(), frees_blocks(config),
                 config.lora_config, config.speculative_config, config.kv_offload_config,
                 config.kv_transfer_config, config.observability_config.records_steps,
-                config.logprobs_config, config.structured_outputs_config, config.beam_search_config))
+                config.logprobs_config, config.structured_outputs_config,
+                config.beam_search_config))
 
 
 def build_engine(config: Config) -> EngineCore:
@@ -105,8 +107,11 @@ def build_engine(config: Config) -> EngineCore:
             config, seams, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
             scheduler_class=ChaptersScheduler, input_builder_class=ChaptersInputBuilder,
             model_runner_class=ChaptersModelRunner)
-    try:  # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's workers now
-        if config.scheduler_config.preemption_mode == "swap":  # the swap pool, in the device pool's class
+    try:
+        # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's
+        # workers now
+        if config.scheduler_config.preemption_mode == "swap":
+            # the swap pool, in the device pool's class
             plug_in_swap(engine, block_manager_class)
         plug_in_chapters(engine)
     except BaseException:
@@ -116,7 +121,8 @@ def build_engine(config: Config) -> EngineCore:
 
 
 def plug_in_chapters(engine: EngineCore) -> None:
-    """The chapters the config asks for, once the engine is built, and those a request may ask for."""
+    """The chapters the config asks for, once the engine is built, and those a request may ask
+    for."""
     config, seams = engine.config, engine.seams
     if config.speculative_config is not None:  # speculative decoding: spec_decode/
         from nanoserve.spec_decode import plug_in
@@ -176,7 +182,8 @@ class LLM(llm.LLM):
 
     @property
     def trace(self) -> list[StepRecord] | None:
-        """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else None."""
+        """With LLM(..., trace=True): one StepRecord per engine step so far (step_records.py); else
+        None."""
         engine = self.engine
         if isinstance(engine, StepRecordsEngineCore) and engine.step_recorder is not None:
             return engine.step_recorder.trace
@@ -184,23 +191,26 @@ class LLM(llm.LLM):
 
     def chat(self, messages: list[dict] | list[list[dict]], sampling_params: llm.Params = None,
              use_tqdm: bool = True,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
-        """Apply the tokenizer's chat template to one conversation or a list of them, then generate (an API
-        convenience over generate, so it lives here rather than in the core's LLM)."""
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
+        """Apply the tokenizer's chat template to one conversation or a list of them, then generate
+        (an API convenience over generate, so it lives here rather than in the core's LLM)."""
         if self.tokenizer is None:
             raise ValueError("chat: this model folder has no tokenizer, so it has no chat template")
         conversations = [messages] if isinstance(messages[0], dict) else messages
         texts = [self.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True)
                  for c in conversations]
         # The template already holds any special tokens (BOS): do not let encode add them twice.
-        prompts = [{"prompt": t, "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
+        prompts = [{"prompt": t,
+                    "prompt_token_ids": self.tokenizer.encode(t, add_special_tokens=False)}
                    for t in texts]
         return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(self, prompts: llm.Prompt | list[llm.Prompt], params: BeamSearchParams,
                     use_tqdm: bool = True) -> list[RequestOutput]:
-        """One output per prompt with params.beam_width sequences, best first, each with its cumulative_logprob
-        (beam_search/scheduler.py; the search follows transformers' generate(num_beams=...))."""
+        """One output per prompt with params.beam_width sequences, best first, each with its
+        cumulative_logprob (beam_search/scheduler.py; the search follows transformers'
+        generate(num_beams=...))."""
         prompts = llm.prompt_list(prompts)
         token_ids = [llm.prompt_token_ids(self.tokenizer, p) for p in prompts]
         beams = beam_search_feature(self.engine)
@@ -215,21 +225,24 @@ class AsyncLLM(async_llm.AsyncLLM):
     __doc__ = async_llm.AsyncLLM.__doc__
     build_engine = staticmethod(build_engine)
 
-    async def beam_search(self, prompt: llm.Prompt, params: BeamSearchParams, request_id: str | None = None):
-        """vLLM's EngineClient.beam_search: one RequestOutput, once the search is done, with the beam_width best
-        sequences, best first (as LLM.beam_search)."""
+    async def beam_search(self, prompt: llm.Prompt, params: BeamSearchParams,
+                          request_id: str | None = None):
+        """vLLM's EngineClient.beam_search: one RequestOutput, once the search is done, with the
+        beam_width best sequences, best first (as LLM.beam_search)."""
         token_ids = llm.prompt_token_ids(self.tokenizer, prompt)
         request_id = str(next(self.request_ids)) if request_id is None else request_id
         beams = beam_search_feature(self.engine_core)
         beams.check_beam_request(token_ids, params)
-        state = RequestState(request_id, llm.prompt_text(prompt), token_ids, RequestOutputKind.FINAL_ONLY,
-                             params.beam_width)
+        state = RequestState(request_id, llm.prompt_text(prompt), token_ids,
+                             RequestOutputKind.FINAL_ONLY, params.beam_width)
+
         def add() -> None:  # (runs in the engine thread)
             beams.add_beam_request(request_id, token_ids, params)
         async for output in self._stream(state, ("add", request_id, add)):
             yield output
 
     def check_beam_request(self, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
-        """What beam_search would refuse, as a ValueError, before anything is queued (the server asks first)."""
+        """What beam_search would refuse, as a ValueError, before anything is queued (the server
+        asks first)."""
         beam_search_feature(self.engine_core).check_beam_request(prompt_token_ids, params)
 

@@ -3,13 +3,15 @@ from dataclasses import dataclass
 
 @dataclass
 class Logprob:
-    """A token's log probability under the model, and its rank in the vocabulary (1 = most likely)."""
+    """A token's log probability under the model, and its rank in the vocabulary (1 = most
+    likely)."""
 
     logprob: float
     rank: int
 
 
-# Per position, token id -> Logprob: the token there and the `logprobs` most likely ones (vLLM's format).
+# Per position, token id -> Logprob: the token there and the `logprobs` most likely ones (vLLM's
+# format).
 SampleLogprobs = list[dict[int, Logprob]]
 
 
@@ -18,10 +20,12 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" (EOS, a stop token or string), "length" (max_tokens), None while running
+    # "stop" (EOS, a stop token or string), "length" (max_tokens), None while running
+    finish_reason: str | None
     stop_reason: int | str | None = None  # the stop token id or stop string; None for EOS or length
     logprobs: SampleLogprobs | None = None  # with SamplingParams(logprobs=k)
-    cumulative_logprob: float | None = None  # LLM.beam_search: the sum of the tokens' log-probabilities
+    # LLM.beam_search: the sum of the tokens' log-probabilities
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -34,4 +38,5 @@ class RequestOutput:
     num_cached_tokens: int  # prompt tokens served by the prefix cache
     outputs: list[CompletionOutput]
     finished: bool = True
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # prompt_logprobs=k; the first token's is None
+    # prompt_logprobs=k; the first token's is None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -1,14 +1,16 @@
-"""vLLM V1's persistent input batch (InputBatch): every scheduled sequence keeps a row of preallocated arrays,
-its token ids, block table and sampling parameters, from step to step. A step writes only what changed since
-(the tokens sampled, the blocks added) and gathers its flat inputs from the rows with a few numpy operations,
-where the core's InputBuilder.flatten loops in Python over every token of the batch (benchmarks/input_batch_host.py).
-A performance chapter: InputBatch is the core's InputBuilder with its own `flatten`; nanoserve/chapters.py builds
-it on CUDA and always with async scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the
+"""vLLM V1's persistent input batch (InputBatch): every scheduled sequence keeps a row of
+preallocated arrays, its token ids, block table and sampling parameters, from step to step. A step
+writes only what changed since (the tokens sampled, the blocks added) and gathers its flat inputs
+from the rows with a few numpy operations, where the core's InputBuilder.flatten loops in Python
+over every token of the batch (benchmarks/input_batch_host.py). A performance chapter: InputBatch is
+the core's InputBuilder with its own `flatten`; nanoserve/chapters.py builds it on CUDA and always
+with async scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the
 sequence whose token it awaits)).
 
-A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its block table
-is rewritten when it may have changed otherwise: a new list (preemption, swapping, a fork, rejected drafts), a
-shorter one, or a step with copy-on-write copies (the last block replaced in place).
+A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its
+block table is rewritten when it may have changed otherwise: a new list (preemption, swapping, a
+fork, rejected drafts), a shorter one, or a step with copy-on-write copies (the last block replaced
+in place).
 """
 from dataclasses import dataclass
 
@@ -21,8 +23,10 @@ from nanoserve.engine.sequence import Sequence
 
 
 def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
-    """array, or a copy enlarged to hold [rows, cols] (an axis that grows at least doubles); new cells: fill."""
-    shape = tuple(have if need <= have else max(need, 2 * have) for have, need in zip(array.shape, (rows, cols)))
+    """array, or a copy enlarged to hold [rows, cols] (an axis that grows at least doubles); new
+    cells: fill."""
+    shape = tuple(have if need <= have else max(need, 2 * have)
+                  for have, need in zip(array.shape, (rows, cols)))
     if shape == array.shape:
         return array
     new = np.full(shape, fill, array.dtype)
@@ -32,33 +36,38 @@ def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
 
 @dataclass
 class InputBatch(InputBuilder):
-    """The InputBuilder that keeps the rows of the sequences the last steps scheduled; a row is reused once its
-    sequence is gone. On CPU without async scheduling (persistent False) it is the core's InputBuilder."""
+    """The InputBuilder that keeps the rows of the sequences the last steps scheduled; a row is
+    reused once its sequence is gone. On CPU without async scheduling (persistent False) it is the
+    core's InputBuilder."""
 
     persistent: bool = True
 
     @classmethod
     def from_config(cls, config: Config, **fields) -> "InputBatch":
-        # Where host time matters (CUDA), and for async scheduling, whose placeholders its rows hold.
+        # Where host time matters (CUDA), and for async scheduling, whose placeholders its rows
+        # hold.
         fields.setdefault("persistent", config.device.startswith("cuda")
                           or config.scheduler_config.async_scheduling)
         return super().from_config(config, **fields)
 
     def __post_init__(self) -> None:
         self.row_of: dict[Sequence, int] = {}
-        self.step_seqs: list[Sequence] = []  # the sequences of the step being flattened keep their rows
-        self.num_tokens: list[int] = []  # how many of its token ids each row holds (token_ids only grow)
+        # the sequences of the step being flattened keep their rows
+        self.step_seqs: list[Sequence] = []
+        # how many of its token ids each row holds (token_ids only grow)
+        self.num_tokens: list[int] = []
         self.block_lists: list[list[int]] = []  # the block_table list each row was copied from...
         self.num_blocks: list[int] = []  # ...and how much of it
         self.token_ids = np.zeros((0, 0), np.int64)
         self.block_table = np.full((0, 0), -1, np.int32)
-        # Sampling parameters, one column each (PARAMS): float64, so that "no row uses it" sees them as given.
+        # Sampling parameters, one column each (PARAMS): float64, so that "no row uses it" sees them
+        # as given.
         self.params = np.zeros((0, len(PARAMS)), np.float64)
         self.free_rows: list[int] = []
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
-        """Bring the rows of out's sequences up to date, then gather the step's inputs from them (what the
-        core's InputBuilder.flatten builds with its loops)."""
+        """Bring the rows of out's sequences up to date, then gather the step's inputs from them
+        (what the core's InputBuilder.flatten builds with its loops)."""
         if not self.persistent:
             return super().flatten(out)
         self.step_seqs = seqs = out.seqs
@@ -72,12 +81,15 @@ class InputBatch(InputBuilder):
         positions = np.arange(len(owner)) - cu_q[owner] + starts[owner]
         token_rows = rows[owner]
         input_ids = self.token_ids[token_rows, positions]
-        num_drafts = np.array([len(seq.spec_token_ids) for seq in seqs] if out.scheduled_spec_decode_tokens
+        num_drafts = np.array([len(seq.spec_token_ids)
+                               for seq in seqs] if out.scheduled_spec_decode_tokens
                               else np.zeros(n), np.int64)
         known = np.array(self.num_tokens)[rows] + num_drafts
-        placeholders = np.flatnonzero(positions >= known[owner])  # async scheduling: filled in on the device
+        # async scheduling: filled in on the device
+        placeholders = np.flatnonzero(positions >= known[owner])
         input_ids[placeholders] = 0
-        slot_mapping = self.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        blocks = self.block_table[token_rows, positions // bs].astype(np.int64)
+        slot_mapping = blocks * bs + positions % bs
         # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per
         # fork.
         drawn = np.array([out.draws(row) for row in out.rows])
@@ -88,10 +100,11 @@ class InputBatch(InputBuilder):
         params = self.params[rows[sampler]]
         return StepArrays(
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
-            block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()], q_lens=q_lens,
-            context_lens=starts + q_lens, logits_rows=logits_rows.tolist(),
+            block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()],
+            q_lens=q_lens, context_lens=starts + q_lens, logits_rows=logits_rows.tolist(),
             params={name: params[:, i] for i, name in enumerate(PARAMS)},
-            extras={"placeholders": [(row, out.seqs[i].seq_id) for row, i in zip(placeholders.tolist(),
+            extras={"placeholders": [(row, out.seqs[i].seq_id)
+                                     for row, i in zip(placeholders.tolist(),
                                                                                   owner[placeholders].tolist())]})
 
     def _sync(self, seq: Sequence, rewrite_blocks: bool) -> int:
@@ -103,14 +116,16 @@ class InputBatch(InputBuilder):
         end = len(tokens) + len(drafts)
         if end + seq.num_output_placeholders > self.token_ids.shape[1]:
             self.token_ids = grown(self.token_ids, 0, end + seq.num_output_placeholders, 0)
-        if end == done + 1 and not drafts:  # a decode's new token: a scalar write is far cheaper than a slice
+        if end == done + 1 and not drafts:
+            # a decode's new token: a scalar write is far cheaper than a slice
             self.token_ids[row, done] = tokens[done]
             self.num_tokens[row] = end
         elif end > done:  # drafts sit after the tokens until the step that verifies them is done
             self.token_ids[row, done:end] = tokens[done:] + drafts
             self.num_tokens[row] = len(tokens)
         table = seq.block_table
-        if rewrite_blocks or table is not self.block_lists[row] or len(table) < self.num_blocks[row]:
+        if (rewrite_blocks or table is not self.block_lists[row]
+                or len(table) < self.num_blocks[row]):
             self.block_table[row] = -1
             self.block_lists[row], self.num_blocks[row] = table, 0
         if len(table) > self.num_blocks[row]:
@@ -127,7 +142,8 @@ class InputBatch(InputBuilder):
             self.free_rows = [self.row_of.pop(s) for s in list(self.row_of) if s not in scheduled]
         if not self.free_rows:
             num_rows = len(self.num_tokens)
-            self.free_rows = list(range(2 * num_rows, num_rows - 1, -1))  # double (and one); pop() takes the lowest
+            # double (and one); pop() takes the lowest
+            self.free_rows = list(range(2 * num_rows, num_rows - 1, -1))
             self.block_lists += [[]] * (num_rows + 1)
             self.num_tokens += [0] * (num_rows + 1)
             self.num_blocks += [0] * (num_rows + 1)

@@ -25,12 +25,17 @@ class ScheduledRequest:
     seq_id: int
     num_tokens: int  # tokens computed this step
     start: int  # position of the first of them (num_computed_tokens before the step)
-    sampled: bool  # the step reached the request's end, so a next token was sampled (async scheduling: maybe dropped)
-    is_decode: bool  # computed just its newest token, one the model generated (and its drafts, if any)
-    # Speculative decoding: the draft tokens it verified (num_tokens counts them too), and how many passed.
+    # the step reached the request's end, so a next token was sampled (async scheduling: maybe
+    # dropped)
+    sampled: bool
+    # computed just its newest token, one the model generated (and its drafts, if any)
+    is_decode: bool
+    # Speculative decoding: the draft tokens it verified (num_tokens counts them too), and how many
+    # passed.
     spec_token_ids: list[int] = field(default_factory=list)
     num_accepted_tokens: int = 0
-    lora_name: str | None = None  # the LoRA adapter its rows computed with (enable_lora); None: the base model
+    # the LoRA adapter its rows computed with (enable_lora); None: the base model
+    lora_name: str | None = None
 
 
 @dataclass
@@ -51,52 +56,64 @@ class StepRecord:
     num_scheduled_tokens: int
     token_budget: int  # max_num_batched_tokens
     time: float  # wall clock (perf_counter()) when the step's output was taken in
-    seq_requests: dict[int, tuple[str, int]]  # every sequence named above: (request id, index among its n)
-    # Each running sequence's KV blocks after the step, and the copy-on-write copies before its forward: who
-    # shares which block (nanoserve/tools/beam_trace.py draws a beam search's forks, frees and copies).
+    # every sequence named above: (request id, index among its n)
+    seq_requests: dict[int, tuple[str, int]]
+    # Each running sequence's KV blocks after the step, and the copy-on-write copies before its
+    # forward: who shares which block (nanoserve/tools/beam_trace.py draws a beam search's forks,
+    # frees and copies).
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     blocks_copied: list[tuple[int, int]] = field(default_factory=list)  # (source, destination)
-    # Beam search: the beams forked this step, each (new beam, the beam whose blocks it shares), and the beams
-    # that had no child (their blocks freed; all of a search's beams in its last step).
+    # Beam search: the beams forked this step, each (new beam, the beam whose blocks it shares), and
+    # the beams that had no child (their blocks freed; all of a search's beams in its last step).
     forked: list[tuple[int, int]] = field(default_factory=list)
     dropped: list[int] = field(default_factory=list)
-    # The prefix cache's host tier (kv_offloading_size): the step's copies out (device, host) and back in (host,
-    # device), and the tier after it: host blocks holding a cached block, of how many.
+    # The prefix cache's host tier (kv_offloading_size): the step's copies out (device, host) and
+    # back in (host, device), and the tier after it: host blocks holding a cached block, of how
+    # many.
     blocks_offloaded: list[tuple[int, int]] = field(default_factory=list)
     blocks_loaded: list[tuple[int, int]] = field(default_factory=list)
     num_host_cached_blocks: int = 0
     num_host_blocks: int = 0
-    # Sliding-window attention (sliding_window/): blocks handed back from behind the window so far, all steps.
+    # Sliding-window attention (sliding_window/): blocks handed back from behind the window so far,
+    # all steps.
     num_freed_behind_window: int = 0
 
 
-def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], scheduler: Scheduler) -> StepRecord:
-    """Read a step off its plan and what it left: who finished (of the sequences postprocess updated), the
-    queues, the KV pool. With async scheduling these are read when the output comes in, the next step planned."""
+def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
+                scheduler: Scheduler) -> StepRecord:
+    """Read a step off its plan and what it left: who finished (of the sequences postprocess
+    updated), the queues, the KV pool. With async scheduling these are read when the output comes
+    in, the next step planned."""
     drafts = out.scheduled_spec_decode_tokens
     loras = scheduler.lora_manager if isinstance(scheduler, LoRAScheduler) else None  # enable_lora
     lora_names = {} if loras is None else {seq.seq_id: lora.lora_name for seq in out.seqs
                                            if (lora := loras.lora_request(seq)) is not None}
-    scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id, num_tokens=row.num_tokens,
-                                  start=row.start, sampled=row.do_sample, is_decode=out.is_decode(row),
+    scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id,
+                                  num_tokens=row.num_tokens, start=row.start, sampled=row.do_sample,
+                                  is_decode=out.is_decode(row),
                                   spec_token_ids=drafts.get(row.seq.seq_id, []),
-                                  num_accepted_tokens=out.num_accepted_tokens.get(row.seq.seq_id, 0),
+                                  num_accepted_tokens=out.num_accepted_tokens.get(row.seq.seq_id,
+                                                                                  0),
                                   lora_name=lora_names.get(row.seq.seq_id))
                  for row in out.rows]
     decodes = [r.is_decode for r in scheduled]
-    kind = "idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes) else "prefill"
+    kind = ("idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes)
+            else "prefill")
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
     swap_ins = out.blocks_to_swap_in if isinstance(out, SwapSchedulerOutput) else []  # (swap.py's)
     swapped_in_blocks = {device_block for _, device_block in swap_ins}
     bm = scheduler.block_manager
     num_host_cached_blocks, num_host_blocks = bm.num_offloaded_blocks()  # (kv_offload/'s host tier)
-    swapped_queue = scheduler.queues().get("swapped", [])  # the swap chapter's third queue (scheduling/swap.py)
-    named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running, *swapped_queue]
+    # the swap chapter's third queue (scheduling/swap.py)
+    swapped_queue = scheduler.queues().get("swapped", [])
+    named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running,
+             *swapped_queue]
     return StepRecord(
         step=step, kind=kind, scheduled=scheduled,
         recomputed=[seq.seq_id for seq, s in zip(out.preempted, swapped) if not s],
         swapped_out=[seq.seq_id for seq, s in zip(out.preempted, swapped) if s],
-        swapped_in=[seq.seq_id for seq in out.seqs if swapped_in_blocks.intersection(seq.block_table)],
+        swapped_in=[seq.seq_id for seq in out.seqs
+                    if swapped_in_blocks.intersection(seq.block_table)],
         finished=[seq.seq_id for seq in updated if seq.is_finished],
         waiting=[seq.seq_id for seq in scheduler.waiting],
         running=[seq.seq_id for seq in scheduler.running],
@@ -120,13 +137,19 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence], schedu
 
 @dataclass
 class StepView:
-    """One step as the step table, the timeline and the dashboard show it (StepReader.read), by sequence id."""
+    """One step as the step table, the timeline and the dashboard show it (StepReader.read), by
+    sequence id."""
 
-    states: dict[int, str]  # each sequence in the step's queues or batch, or finished in it: its state
-    labels: dict[int, str]  # each scheduled sequence: its tokens ("8"), "*" if it sampled nothing, "@N" if it
-    # started at position N, past its own computation: the N tokens before came from the prefix cache
-    hits: dict[int, int]  # prefills that started past their own computation: how many tokens the cache gave
-    spec: dict[int, tuple[int, int]]  # each sequence that verified drafts: (drafts accepted, drafts proposed)
+    # each sequence in the step's queues or batch, or finished in it: its state
+    states: dict[int, str]
+    # each scheduled sequence: its tokens ("8"), "*" if it sampled nothing, "@N" if it
+    labels: dict[int, str]
+    # started at position N, past its own computation: the N tokens before came from the prefix
+    # cache
+    # prefills that started past their own computation: how many tokens the cache gave
+    hits: dict[int, int]
+    # each sequence that verified drafts: (drafts accepted, drafts proposed)
+    spec: dict[int, tuple[int, int]]
 
 
 class StepRecorder:
@@ -157,14 +180,15 @@ class StepRecorder:
 
 
 class StepReader:
-    """Reads the records in order and tells each sequence's state in each step: "waiting", "prefill" (a whole
-    prompt or a chunk), "decode", "idle" (running, not scheduled), "preempted" (waiting or computing again
-    after a recompute preemption, until it samples again), "swapped" or "finished". A beam forked in a step
-    has no state in it: it starts in the next."""
+    """Reads the records in order and tells each sequence's state in each step: "waiting", "prefill"
+    (a whole prompt or a chunk), "decode", "idle" (running, not scheduled), "preempted" (waiting or
+    computing again after a recompute preemption, until it samples again), "swapped" or "finished".
+    A beam forked in a step has no state in it: it starts in the next."""
 
     def __init__(self) -> None:
         self.recomputing: set[int] = set()  # preempted to recompute, not yet back where they were
-        self.computed: dict[int, int] = {}  # how far each sequence's own computation got (0 after a recompute)
+        # how far each sequence's own computation got (0 after a recompute)
+        self.computed: dict[int, int] = {}
         self.live: set[int] = set()  # the sequences in the queues after the step before
 
     def read(self, rec: StepRecord) -> StepView:
@@ -173,27 +197,33 @@ class StepReader:
         labels, hits, spec = {}, {}, {}
         for r in rec.scheduled:
             at = r.start != self.computed.get(r.seq_id, 0)
-            labels[r.seq_id] = f"{r.num_tokens}{f'@{r.start}' if at else ''}{'' if r.sampled else '*'}"
+            start, unsampled = f"@{r.start}" if at else "", "" if r.sampled else "*"
+            labels[r.seq_id] = f"{r.num_tokens}{start}{unsampled}"
             if at and not r.is_decode:
                 hits[r.seq_id] = r.start
             if r.spec_token_ids:
                 spec[r.seq_id] = (r.num_accepted_tokens, len(r.spec_token_ids))
             # (the KV of rejected drafts does not count: the next step computes over it)
-            self.computed[r.seq_id] = r.start + r.num_tokens - len(r.spec_token_ids) + r.num_accepted_tokens
+            num_rejected = len(r.spec_token_ids) - r.num_accepted_tokens
+            self.computed[r.seq_id] = r.start + r.num_tokens - num_rejected
         states = dict.fromkeys(rec.finished, "finished")
         states |= dict.fromkeys(rec.running, "idle")
-        states |= {seq_id: "preempted" if seq_id in self.recomputing else "waiting" for seq_id in rec.waiting}
+        states |= {seq_id: "preempted" if seq_id in self.recomputing else "waiting"
+                   for seq_id in rec.waiting}
         states |= dict.fromkeys(rec.swapped, "swapped")
         for seq_id, r in scheduled.items():
-            states[seq_id] = "preempted" if seq_id in self.recomputing else "decode" if r.is_decode else "prefill"
+            states[seq_id] = ("preempted" if seq_id in self.recomputing
+                              else "decode" if r.is_decode else "prefill")
             if r.sampled:
                 self.recomputing.discard(seq_id)
-        for child, _ in rec.forked:  # a beam forked at the end of the step: it starts with the next one
+        for child, _ in rec.forked:
+            # a beam forked at the end of the step: it starts with the next one
             states.pop(child, None)
         self.computed.update((seq_id, 0) for seq_id in rec.recomputed)
         self.computed.update((child, self.computed[parent]) for child, parent in rec.forked)
-        # A sequence out of every queue has finished (or was aborted) for good: forget it, a step later (with async
-        # scheduling, the step in flight when it finished computes its token still, and drops it).
+        # A sequence out of every queue has finished (or was aborted) for good: forget it, a step
+        # later (with async scheduling, the step in flight when it finished computes its token
+        # still, and drops it).
         live = {*rec.waiting, *rec.running, *rec.swapped}
         keep, self.live = live | self.live, live
         self.recomputing &= keep

@@ -1,7 +1,7 @@
-"""CUDA at start-up: the KV pool sized from what a warm-up forward leaves of the GPU's memory, and CUDA graphs for
-decode batches: each decode forward recorded once per batch size, replayed every step, so a step costs one launch
-instead of one per kernel (the fused attention backends only: the PyTorch path plans each batch on the host and
-stays eager)."""
+"""CUDA at start-up: the KV pool sized from what a warm-up forward leaves of the GPU's memory, and
+CUDA graphs for decode batches: each decode forward recorded once per batch size, replayed every
+step, so a step costs one launch instead of one per kernel (the fused attention backends only: the
+PyTorch path plans each batch on the host and stays eager)."""
 import torch
 from torch import nn
 
@@ -14,17 +14,20 @@ from nanoserve.utils.math import cdiv
 
 
 def profile_num_blocks(runner, input_builder) -> int:
-    """The KV blocks a ModelRunner's GPU holds: warm up with the largest prefill the scheduler may send, on a
-    temporary cache sized for it (counting that cache as activation memory errs on the safe side); the blocks
-    are what gpu_memory_utilization leaves after the weights and that forward's peak."""
+    """The KV blocks a ModelRunner's GPU holds: warm up with the largest prefill the scheduler may
+    send, on a temporary cache sized for it (counting that cache as activation memory errs on the
+    safe side); the blocks are what gpu_memory_utilization leaves after the weights and that
+    forward's peak."""
     cfg = runner.config
     num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // cfg.max_model_len))
     blocks_per_seq = cdiv(cfg.max_model_len, runner.block_size)
     torch.cuda.reset_peak_memory_stats()  # the peak must be this warm-up's, not an earlier engine's
     runner._allocate_kv_cache(num_seqs * blocks_per_seq)
     greedy = SamplingParams(temperature=0.0)
-    seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, runner.block_size) for _ in range(num_seqs)]
-    # With chunked prefill a step computes at most the token budget: the last tokens of a full sequence.
+    seqs = [Sequence(-1, [0] * cfg.max_model_len, greedy, runner.block_size)
+            for _ in range(num_seqs)]
+    # With chunked prefill a step computes at most the token budget: the last tokens of a full
+    # sequence.
     num_tokens = min(cfg.max_model_len, cfg.max_num_batched_tokens)
     out = SchedulerOutput()
     for i, seq in enumerate(seqs):
@@ -46,8 +49,8 @@ def profile_num_blocks(runner, input_builder) -> int:
 
 
 class CUDAGraphs:
-    """A graph replays fixed buffers, so a batch is copied into the smallest graph that fits it, and the
-    padding rows write their K/V into the scratch slot (the KV cache's extra block)."""
+    """A graph replays fixed buffers, so a batch is copied into the smallest graph that fits it, and
+    the padding rows write their K/V into the scratch slot (the KV cache's extra block)."""
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, config: Config, scratch_slot: int):
@@ -56,14 +59,16 @@ class CUDAGraphs:
         max_bs = min(config.max_num_seqs, 512)
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(max_bs, dtype=torch.int64, device=dev)
-        self.outputs = torch.zeros(max_bs, config.hf_config.hidden_size, dtype=config.torch_dtype, device=dev)
+        self.outputs = torch.zeros(max_bs, config.hf_config.hidden_size, dtype=config.torch_dtype,
+                                   device=dev)
         self.meta = AttentionMetadata(
             slot_mapping=torch.full((max_bs,), scratch_slot, dtype=torch.int64, device=dev),
-            block_tables=torch.zeros(max_bs, cdiv(config.max_model_len, config.block_size), dtype=torch.int32,
-                                     device=dev),
+            block_tables=torch.zeros(max_bs, cdiv(config.max_model_len, config.block_size),
+                                     dtype=torch.int32, device=dev),
             context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
             cu_seqlens_q=torch.arange(max_bs + 1, dtype=torch.int32, device=dev),
-            cu_seqlens_k=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),  # unused by decode kernels
+            # unused by decode kernels
+            cu_seqlens_k=torch.zeros(max_bs + 1, dtype=torch.int32, device=dev),
             max_seqlen_q=1, max_seqlen_k=config.max_model_len,
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -71,7 +76,8 @@ class CUDAGraphs:
         for bs in reversed([1, 2, 4, 8] + list(range(16, max_bs + 1, 16))):
             m = self.meta
             meta = AttentionMetadata(m.slot_mapping[:bs], m.block_tables[:bs], m.context_lens[:bs],
-                                     m.cu_seqlens_q[: bs + 1], m.cu_seqlens_k[: bs + 1], 1, m.max_seqlen_k)
+                                     m.cu_seqlens_q[: bs + 1], m.cu_seqlens_k[: bs + 1], 1,
+                                     m.max_seqlen_k)
             self.outputs[:bs] = model(self.input_ids[:bs], self.positions[:bs], meta)  # warm up
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool):
@@ -84,7 +90,8 @@ class CUDAGraphs:
         """A decode batch (one new token per sequence) no larger than the largest graph."""
         return meta.max_seqlen_q == 1 and meta.context_lens.shape[0] <= max(self.graphs)
 
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
         n = input_ids.shape[0]
         graph_bs = min(bs for bs in self.graphs if bs >= n)
         m = self.meta

@@ -1,13 +1,16 @@
-"""The transport: two engines joined by a torch.distributed process group of their own, and what they say on it.
+"""The transport: two engines joined by a torch.distributed process group of their own, and what
+they say on it.
 
-The rendezvous is torchrun's: the producer (rank 0) hosts a TCPStore at kv_ip:kv_port (torchrun's MASTER_ADDR and
-MASTER_PORT), the consumer (rank 1) connects to it, and both build a process group of two from it: gloo on CPU,
-NCCL on CUDA. The group is made directly from the store, never as the default group, so tensor parallelism's
-`init_process_group` in the same process is untouched. Every tensor goes point to point (`send`/`recv`).
+The rendezvous is torchrun's: the producer (rank 0) hosts a TCPStore at kv_ip:kv_port (torchrun's
+MASTER_ADDR and MASTER_PORT), the consumer (rank 1) connects to it, and both build a process group
+of two from it: gloo on CPU, NCCL on CUDA. The group is made directly from the store, never as the
+default group, so tensor parallelism's `init_process_group` in the same process is untouched. Every
+tensor goes point to point (`send`/`recv`).
 
-The consumer pulls (as vLLM's NIXL connector reads from the prefill instance): it sends the chained hashes of the
-prompt blocks it lacks, and the producer answers with the KV of the leading ones its KVStore still holds. Each side
-runs one thread on the group, so the messages of two pulls never interleave:
+The consumer pulls (as vLLM's NIXL connector reads from the prefill instance): it sends the chained
+hashes of the prompt blocks it lacks, and the producer answers with the KV of the leading ones its
+KVStore still holds. Each side runs one thread on the group, so the messages of two pulls never
+interleave:
 
     consumer -> producer   [n]            int64: how many hashes follow (0: a heartbeat, no more)
     consumer -> producer   [n]            int64: the block hashes, in prompt order
@@ -39,7 +42,8 @@ RETRY_DELAY = 0.5  # seconds between a broken pair and the next rendezvous
 
 
 def as_int64(hashes: list[int]) -> torch.Tensor:
-    """xxhash's unsigned 64-bit hashes as an int64 tensor (the same bits), and back with `as_hashes`."""
+    """xxhash's unsigned 64-bit hashes as an int64 tensor (the same bits), and back with
+    `as_hashes`."""
     return torch.from_numpy(np.array(hashes, dtype=np.uint64).view(np.int64))
 
 
@@ -79,8 +83,9 @@ def join(store: dist.Store, config: KVTransferConfig, device: torch.device,
 
 
 class KVStore:
-    """The producer's KV of computed prompt blocks, by chained hash, kept for the consumer to pull: at most
-    kv_buffer_size bytes, the oldest dropped first. Copies, so the producer frees its blocks as usual."""
+    """The producer's KV of computed prompt blocks, by chained hash, kept for the consumer to pull:
+    at most kv_buffer_size bytes, the oldest dropped first. Copies, so the producer frees its blocks
+    as usual."""
 
     def __init__(self, capacity_bytes: float):
         self.capacity = capacity_bytes
@@ -101,7 +106,8 @@ class KVStore:
                 self.num_bytes -= old.numel() * old.element_size()
 
     def leading(self, hashes: list[int]) -> list[torch.Tensor]:
-        """The KV of hashes[0], hashes[1], ... up to the first one not held (a prompt's KV is used from its start)."""
+        """The KV of hashes[0], hashes[1], ... up to the first one not held (a prompt's KV is used
+        from its start)."""
         with self.lock:
             found = []
             for block_hash in hashes:
@@ -113,10 +119,10 @@ class KVStore:
 
 
 class KVPipe:
-    """One end of the pair, its thread joining the group first. The producer's thread answers pulls from its
-    KVStore; the consumer's runs the pulls `pull` queues. While the pair is broken (the peer died),
-    every pull fails at once; the thread meanwhile joins a new pair, with the peer that comes
-    back."""
+    """One end of the pair, its thread joining the group first. The producer's thread answers pulls
+    from its KVStore; the consumer's runs the pulls `pull` queues. While the pair is broken (the
+    peer died), every pull fails at once; the thread meanwhile joins a new pair, with the peer that
+    comes back."""
 
     def __init__(self, config: KVTransferConfig, block_shape: tuple[int, ...], dtype: torch.dtype,
                  device: torch.device, store: KVStore | None = None):
@@ -164,7 +170,7 @@ class KVPipe:
         for _, future in pending:
             future.set_exception(self.error)
 
-    # ---- the producer's side ------------------------------------------------------------------------
+    # ---- the producer's side ---------------------------------------------------------------------
     def _serve(self) -> None:
         while True:
             count = int(self._recv(torch.empty(1, dtype=torch.int64)))
@@ -177,7 +183,7 @@ class KVPipe:
                 self._send(torch.stack(found))
                 self.num_sent_blocks += len(found)
 
-    # ---- the consumer's side ------------------------------------------------------------------------
+    # ---- the consumer's side ---------------------------------------------------------------------
     def pull(self, hashes: list[int]) -> Future:
         """Ask the producer for these blocks; the future gives the KV of the leading ones it had,
         one tensor each. (Before the first join, pulls wait for it; while the pair is broken, they
@@ -203,7 +209,9 @@ class KVPipe:
             self._send(torch.tensor([len(hashes)]))
             self._send(as_int64(hashes))
             count = int(self._recv(torch.empty(1, dtype=torch.int64)))
-            kv = self._recv(torch.empty(count, *self.block_shape, dtype=self.dtype)) if count else None
+            kv = None
+            if count:
+                kv = self._recv(torch.empty(count, *self.block_shape, dtype=self.dtype))
             # (a consumer that gave up waiting computed the prompt itself: the answer is dropped)
             future.set_result([] if kv is None else list(kv.cpu().unbind(0)))
             with self.wakeup:

@@ -3,7 +3,8 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    """x / rms(x) * weight, computed in float32 as Hugging Face does, so outputs match bit for bit."""
+    """x / rms(x) * weight, computed in float32 as Hugging Face does, so outputs match bit for
+    bit."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()

@@ -4,14 +4,16 @@ from transformers import PretrainedConfig
 
 
 class RotaryEmbedding(nn.Module):
-    """RoPE: rotate each (x1, x2) pair of q and k by an angle proportional to the token's position."""
+    """RoPE: rotate each (x1, x2) pair of q and k by an angle proportional to the token's
+    position."""
 
     def __init__(self, head_dim: int, max_position: int, base: float):
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim))
         freqs = torch.arange(max_position, dtype=torch.float)[:, None] * inv_freq[None, :]
         # One table for all positions, looked up per token; not a parameter, not saved.
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1),
+                             persistent=False)
 
     @staticmethod
     def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -25,7 +27,8 @@ class RotaryEmbedding(nn.Module):
 
 
 def rope_theta(config: PretrainedConfig) -> float:
-    """transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top level."""
+    """transformers 5 moved rope_theta into rope_parameters; older configs keep it at the top
+    level."""
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type != "default":

@@ -1,6 +1,7 @@
-"""vLLM's attention/selector.py, for both kinds of kernels: the functions a model's layers run, for the backends
-Config chose (utils/backends.py resolves "auto" and checks a backend asked for by name). The ModelRunner calls
-these once, as it builds the model and sizes the cache; a backend's module is imported only when chosen."""
+"""vLLM's attention/selector.py, for both kinds of kernels: the functions a model's layers run, for
+the backends Config chose (utils/backends.py resolves "auto" and checks a backend asked for by
+name). The ModelRunner calls these once, as it builds the model and sizes the cache; a backend's
+module is imported only when chosen."""
 import types
 from collections.abc import Callable
 
@@ -12,7 +13,8 @@ from nanoserve.utils.cpu_kernel import load_cpu_kernel
 
 
 def attention_backend(name: str) -> tuple[Callable, Callable]:
-    """The (store K/V, attend) pair of a backend, as Config resolved it; all but "cpu" are imported only when chosen."""
+    """The (store K/V, attend) pair of a backend, as Config resolved it; all but "cpu" are imported
+    only when chosen."""
     if name == "cpu":
         return load_cpu_kernel("paged_attention_cpu").store_kvcache, cpu_paged_attention
     if name == "triton":
@@ -26,8 +28,8 @@ def attention_backend(name: str) -> tuple[Callable, Callable]:
 
 
 def use_elementwise_backend(model: nn.Module, backend: str) -> None:
-    """Give model's RMSNorm, SiluAndMul and RotaryEmbedding modules the backend's forward ("torch": their own);
-    "triton" and "compile" are imported only when chosen."""
+    """Give model's RMSNorm, SiluAndMul and RotaryEmbedding modules the backend's forward ("torch":
+    their own); "triton" and "compile" are imported only when chosen."""
     if backend == "triton":
         from nanoserve.layers.triton_elementwise import TRITON_FORWARDS as forwards
     elif backend == "compile":

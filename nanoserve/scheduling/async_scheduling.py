@@ -2,11 +2,12 @@
 engine plans step N+1 and builds its inputs while step N's forward runs (on the GPU, or in a thread
 on CPU), then waits for N and takes its output in.
 
-Planning N+1 before N's token is known works because the core already counts a token a step is sampling as a
-placeholder (Sequence.num_output_placeholders, in len(seq)): N+1 computes it at the right position, and this
-chapter writes N's sampled id, still on the device, into N+1's input row just before its forward (no wait for the
-host). A sequence whose newest token a feature needs to plan with (a grammar's mask, drafts) sits N+1 out.
-With P pipeline stages, P steps are in flight, each admitting at most 1/P of the requests (docs/parallelism.md).
+Planning N+1 before N's token is known works because the core already counts a token a step is
+sampling as a placeholder (Sequence.num_output_placeholders, in len(seq)): N+1 computes it at the
+right position, and this chapter writes N's sampled id, still on the device, into N+1's input row
+just before its forward (no wait for the host). A sequence whose newest token a feature needs to
+plan with (a grammar's mask, drafts) sits N+1 out. With P pipeline stages, P steps are in flight,
+each admitting at most 1/P of the requests (docs/parallelism.md).
 """
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,8 +23,9 @@ from nanoserve.engine.sequence import Sequence, num_seats
 
 
 class LaunchedStep(Future):
-    """A step launched on the GPU (or run already, on CPU). Its sampled ids are copied to the host right behind
-    its kernels: a copy asked for later would queue behind the next step's. result() waits for that copy only."""
+    """A step launched on the GPU (or run already, on CPU). Its sampled ids are copied to the host
+    right behind its kernels: a copy asked for later would queue behind the next step's. result()
+    waits for that copy only."""
 
     def __init__(self, sampled: torch.Tensor):
         super().__init__()
@@ -52,9 +54,9 @@ class AsyncScheduler(Scheduler):
 
     def can_schedule(self, group: list[Sequence]) -> bool:
         """A group whose newest token is in flight waits for it when planning needs that token (a
-        grammar's next mask, drafts proposed from it), or with pipeline stages, where its batch could
-        not enter the first stage before the one in flight left the last (V1's scheduled_req_ids;
-        docs/parallelism.md)."""
+        grammar's next mask, drafts proposed from it), or with pipeline stages, where its batch
+        could not enter the first stage before the one in flight left the last (V1's
+        scheduled_req_ids; docs/parallelism.md)."""
         in_flight = [s for s in group if s.num_output_placeholders]
         if in_flight and (self.depth > 1 or any(map(self.needs_newest_token, in_flight))):
             return False
@@ -76,9 +78,9 @@ class AsyncScheduler(Scheduler):
 
 
 class BatchQueueEngineCore(EngineCore):
-    """The EngineCore with vLLM's batch queue: (plan, future) of the steps in flight (num_batches_in_flight).
-    On CPU or with stages a thread runs the forwards (not with a draft model: it reads what planning changes).
-    Without async scheduling it is the core's EngineCore."""
+    """The EngineCore with vLLM's batch queue: (plan, future) of the steps in flight
+    (num_batches_in_flight). On CPU or with stages a thread runs the forwards (not with a draft
+    model: it reads what planning changes). Without async scheduling it is the core's EngineCore."""
 
     def __init__(self, config, seams=None, **parts):
         super().__init__(config, seams, **parts)
@@ -89,7 +91,8 @@ class BatchQueueEngineCore(EngineCore):
         if (self.async_scheduling and (config.device == "cpu" or depth > 1)
                 and config.draft_hf_config is None):
             self.forward_thread = ThreadPoolExecutor(1, thread_name_prefix="nanoserve-forward")
-        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's placeholders.
+        # The last step's sampled ids, still a device tensor, and who sampled them: the next step's
+        # placeholders.
         self.prev_sampled: tuple[dict[int, int], torch.Tensor] | None = None
 
     def has_unfinished_requests(self) -> bool:
@@ -99,8 +102,10 @@ class BatchQueueEngineCore(EngineCore):
         return self.step_with_batch_queue() if self.async_scheduling else super().step()
 
     def step_with_batch_queue(self) -> list[EngineCoreOutput]:
-        """Plan step N+1 and launch it while step N's forward runs, then wait for N and take in its output."""
-        if not self.scheduler.is_finished() and len(self.batch_queue) < self.config.num_batches_in_flight:
+        """Plan step N+1 and launch it while step N's forward runs, then wait for N and take in its
+        output."""
+        in_flight = len(self.batch_queue)
+        if not self.scheduler.is_finished() and in_flight < self.config.num_batches_in_flight:
             out = self.scheduler.schedule()
             inputs = self.input_builder.prepare_inputs(out)
             self.batch_queue.append((out, self._submit(out, inputs)))
@@ -120,18 +125,22 @@ class BatchQueueEngineCore(EngineCore):
         # (the stages' executor launches and finishes apart)
         if self.config.parallel_config.pipeline_parallel_size > 1:
             return self.executor.submit(self.forward_thread, out, inputs)
-        execute = self.executor.execute_model  # (taken now: the step runs what the engine had when it was planned)
+        # (taken now: the step runs what the engine had when it was planned)
+        execute = self.executor.execute_model
         if self.forward_thread is not None:
             return self.forward_thread.submit(self._execute, execute, out, inputs)
         try:
             return LaunchedStep(self._execute(execute, out, inputs))
-        except Exception as error:  # failed at launch: the step fails when its turn comes, as on CPU
+        except Exception as error:
+            # failed at launch: the step fails when its turn comes, as on CPU
             future = Future()
             future.set_exception(error)
             return future
 
-    def _execute(self, execute_model, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
-        """The executor's execute_model, keeping the sampled ids (on the device) for the next step's placeholders."""
+    def _execute(self, execute_model, out: SchedulerOutput,
+                 inputs: ModelInput | None) -> torch.Tensor:
+        """The executor's execute_model, keeping the sampled ids (on the device) for the next step's
+        placeholders."""
         if inputs is not None:
             self.fill_placeholders(inputs)
         sampled = execute_model(out, inputs)
@@ -141,17 +150,19 @@ class BatchQueueEngineCore(EngineCore):
 
     @torch.inference_mode()
     def fill_placeholders(self, inputs: ModelInput) -> None:
-        """Before the forward: write the previous step's sampled ids, still on the device, into this step's
-        placeholder rows of input_ids. Steps run one at a time, in planning order."""
+        """Before the forward: write the previous step's sampled ids, still on the device, into this
+        step's placeholder rows of input_ids. Steps run one at a time, in planning order."""
         prev, self.prev_sampled = self.prev_sampled, None
         if prev is None:
             return
         prev_rows, prev_tokens = prev
-        # A placeholder the previous step has no token for: that step failed, and so did the request.
-        rows = [(row, prev_rows[i]) for row, i in inputs.extras.get("placeholders", []) if i in prev_rows]
+        # A placeholder the previous step has no token for: that step failed, and so did the
+        # request.
+        rows = [(row, prev_rows[i])
+                for row, i in inputs.extras.get("placeholders", []) if i in prev_rows]
         if rows:
-            # Pinned and non-blocking, as every input of a step: a blocking copy would hold the host until the step
-            # in flight ends, and the GPU would sit idle while this one launches.
+            # Pinned and non-blocking, as every input of a step: a blocking copy would hold the host
+            # until the step in flight ends, and the GPU would sit idle while this one launches.
             dst, src = (to_device(x, torch.int64, inputs.input_ids.device) for x in zip(*rows))
             inputs.input_ids[dst] = prev_tokens[src]
 

@@ -1,7 +1,8 @@
-"""Priority scheduling (scheduling_policy="priority", vLLM v0.6.3's scheduler): every queue is sorted by
-(priority, arrival), lower values first, so the head of waiting is the most urgent request and the tail of running
-the first to give its blocks up; and an urgent newcomer that lacks blocks or a seat takes them from less urgent
-running requests (V0's _schedule_priority_preemption). The core's FCFS scheduler is this with one priority."""
+"""Priority scheduling (scheduling_policy="priority", vLLM v0.6.3's scheduler): every queue is
+sorted by (priority, arrival), lower values first, so the head of waiting is the most urgent request
+and the tail of running the first to give its blocks up; and an urgent newcomer that lacks blocks or
+a seat takes them from less urgent running requests (V0's _schedule_priority_preemption). The core's
+FCFS scheduler is this with one priority."""
 import bisect
 from collections.abc import Callable
 
@@ -53,14 +54,16 @@ class PriorityScheduler(Scheduler):
         super()._plan(out)
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
-        """While the most urgent waiting request lacks blocks or a seat, less urgent running ones give theirs up,
-        least urgent first. They recompute, also with swap: a swapped victim would come back before the newcomer,
-        which is waiting, and take its blocks back (where priority meets swap: nanoserve/chapters.py)."""
+        """While the most urgent waiting request lacks blocks or a seat, less urgent running ones
+        give theirs up, least urgent first. They recompute, also with swap: a swapped victim would
+        come back before the newcomer, which is waiting, and take its blocks back (where priority
+        meets swap: nanoserve/chapters.py)."""
         if not self.waiting:
             return
         seq, key = self.waiting[0], self.priority_key
         while (self.running and key(self.running[-1]) > key(seq) and (
-                num_seats(seq) > self.num_free_seats() or not self.block_manager.can_allocate(seq))):
+                num_seats(seq) > self.num_free_seats()
+                or not self.block_manager.can_allocate(seq))):
             self._preempt_by_recompute(self.running.pop(), out)
             self.stats.num_priority_preemptions += 1
 

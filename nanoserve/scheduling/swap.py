@@ -2,10 +2,11 @@
 preempted request's KV blocks are copied to a pool in host memory instead of being dropped, and
 copied back when there is room, so it goes on where it stopped instead of prefilling again.
 
-The host pool has its own BlockManager (the same books: ref counts, so blocks a request's sequences share move
-once and stay shared) over a tensor each rank allocates (host_kv_pool.py: kv_pools["swap_space"]). SwapScheduler is the
-core's Scheduler with a third queue, `swapped`: a request whose KV the host pool cannot take recomputes as in the
-core; swapped requests come back before any new prompt is admitted (V0's _schedule_swapped).
+The host pool has its own BlockManager (the same books: ref counts, so blocks a request's sequences
+share move once and stay shared) over a tensor each rank allocates (host_kv_pool.py:
+kv_pools["swap_space"]). SwapScheduler is the core's Scheduler with a third queue, `swapped`: a
+request whose KV the host pool cannot take recomputes as in the core; swapped requests come back
+before any new prompt is admitted (V0's _schedule_swapped).
 """
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -19,10 +20,12 @@ from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, nu
 from nanoserve.host_kv_pool import allocate_host_pool, copy_host_blocks
 
 
-def move_blocks(seqs: list[Sequence], src: BlockManager, dst: BlockManager) -> list[tuple[int, int]]:
-    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays shared; the
-    null block (sliding_window/: in place of blocks freed behind the window) stays the null block.
-    Returns the (src block, dst block) pairs whose KV the model runners copy before the forward."""
+def move_blocks(seqs: list[Sequence], src: BlockManager,
+                dst: BlockManager) -> list[tuple[int, int]]:
+    """Move the blocks of seqs from pool src to pool dst; a block they share moves once and stays
+    shared; the null block (sliding_window/: in place of blocks freed behind the window) stays the
+    null block. Returns the (src block, dst block) pairs whose KV the model runners copy before the
+    forward."""
     null = {} if src.null_block is None else {src.null_block: dst.null_block}
     mapping: dict[int, int] = dict(null)
     for seq in seqs:
@@ -78,7 +81,8 @@ class SwapScheduler(Scheduler):
             super()._schedule_after_running(out, budget)
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
-        """Copy the KV of seq's request to the host pool, if it has room; else recompute (the core's preempt)."""
+        """Copy the KV of seq's request to the host pool, if it has room; else recompute (the core's
+        preempt)."""
         group = [s for s in seq.group if s is seq or s.status == SequenceStatus.RUNNING]
         if not self.swap or (self.host_block_manager.num_free_blocks
                              < len(live_blocks(group, self.block_manager))):
@@ -86,19 +90,22 @@ class SwapScheduler(Scheduler):
         self._take_running(seq, out)
         out.blocks_to_swap_out += move_blocks(group, self.block_manager, self.host_block_manager)
         self.stats.num_swapped_out += 1
-        for s in reversed(group):  # to the front of the swapped queue, in order; they keep num_computed_tokens
+        for s in reversed(group):
+            # to the front of the swapped queue, in order; they keep num_computed_tokens
             s.status = SequenceStatus.SWAPPED
             self.swapped.add(s, front=True)
 
     def _schedule_swapped(self, out: SchedulerOutput, budget: int) -> None:
-        """Swap requests back in, first in line first, while their blocks fit; they go on where they stopped."""
+        """Swap requests back in, first in line first, while their blocks fit; they go on where they
+        stopped."""
         while self.swapped and budget > 0:
             group = self.swapped.pop_group()
             if sum(map(num_seats, group)) > self.num_free_seats() or not self._can_swap_in(group):
                 self.swapped.extendleft(reversed(group))
                 break
             out.blocks_to_swap_in += move_blocks(group, self.host_block_manager, self.block_manager)
-            for seq in group:  # full blocks rejoin the prefix cache at once: their copies run before the forward
+            for seq in group:
+                # full blocks rejoin the prefix cache at once: their copies run before the forward
                 self.block_manager.hash_blocks(seq, 0, seq.num_computed_tokens)
             self.stats.num_swapped_in += 1
             for seq in group:
@@ -107,12 +114,13 @@ class SwapScheduler(Scheduler):
                 budget -= self._schedule_chunk(seq, budget, out) if budget > 0 else 0
 
     def _can_swap_in(self, seqs: list[Sequence]) -> bool:
-        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs one (in a group
-        of several, each may need a copy of a shared last block)?"""
+        """Room for the swapped-out blocks of seqs, plus a block for each newest token that needs
+        one (in a group of several, each may need a copy of a shared last block)?"""
         bm = self.block_manager  # (a prompt's next chunk only, where it allocates chunk by chunk)
         num_new = sum(max(bm.num_table_blocks(seq, seq.num_computed_tokens) - len(seq.block_table),
                           len(seqs) > 1) for seq in seqs)
-        return len(live_blocks(seqs, self.host_block_manager)) + num_new <= self.block_manager.num_free_blocks
+        num_swapped = len(live_blocks(seqs, self.host_block_manager))
+        return num_swapped + num_new <= self.block_manager.num_free_blocks
 
     def home(self, seq: Sequence):
         if seq.status == SequenceStatus.SWAPPED:
@@ -141,4 +149,5 @@ def plug_in(engine: EngineCore, block_manager_class: Callable[..., BlockManager]
     config, scheduler = engine.config, engine.scheduler
     num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space",
                                       config.scheduler_config.swap_space)
-    scheduler.host_block_manager = block_manager_class(num_blocks, config.block_size, enable_prefix_caching=False)
+    scheduler.host_block_manager = block_manager_class(num_blocks, config.block_size,
+                                                       enable_prefix_caching=False)

@@ -1,7 +1,8 @@
-"""`nanoserve serve [MODEL]` (and `python -m nanoserve.serving [MODEL]`): start the OpenAI-compatible server.
+"""`nanoserve serve [MODEL]` (and `python -m nanoserve.serving [MODEL]`): start the
+OpenAI-compatible server.
 
-Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also as
-`--no-...`). The flags are generated from the fields of `Config` and of its chapters' records
+Every engine option is a flag spelled as in vLLM (`max_num_seqs` -> `--max-num-seqs`, booleans also
+as `--no-...`). The flags are generated from the fields of `Config` and of its chapters' records
 (chapter_configs.py), each field's comment as its help, so an option is written down once. The
 chapters a request asks for (logprobs, structured outputs, beam search) default on here, off in
 LLM(...): SERVE_DEFAULTS.
@@ -85,29 +86,39 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def add_serve_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None,
-                        help="a model folder or hub id (default: the embedded SmolLM2-135M-Instruct)")
+                        help="a model folder or hub id (default: the embedded "
+                             "SmolLM2-135M-Instruct)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None,
-                        help="the name clients send as `model` (default: MODEL, or the demo model's name)")
+                        help="the name clients send as `model` (default: MODEL, or the demo "
+                             "model's name)")
     parser.add_argument("--api-key", default=os.environ.get("NANOSERVE_API_KEY"),
-                        help="require `Authorization: Bearer KEY` on /v1 (default: $NANOSERVE_API_KEY)")
+                        help="require `Authorization: Bearer KEY` on /v1 (default: "
+                             "$NANOSERVE_API_KEY)")
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,
-                        help="on SIGTERM/Ctrl-C, seconds to let running requests finish before aborting them")
+                        help="on SIGTERM/Ctrl-C, seconds to let running requests finish before "
+                             "aborting them")
     parser.add_argument("--enable-auto-tool-choice", action="store_true",
-                        help='answer tool_choice "auto": the model decides, and --tool-call-parser finds its calls')
+                        help='answer tool_choice "auto": the model decides, and --tool-call-parser '
+                             'finds its calls')
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default=None,
-                        help="how the model writes a tool call (hermes: <tool_call>{json}</tool_call>)")
+                        help="how the model writes a tool call (hermes: "
+                             "<tool_call>{json}</tool_call>)")
     parser.add_argument("--dashboard", action="store_true",
-                        help="serve a live view of the engine at /dashboard, for workshops (docs/workshop.md)")
-    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
-                        help='LoRA adapters (PEFT folders) served as model NAME, with --enable-lora; an item may '
-                        'also be JSON: {"name": NAME, "path": PATH} (docs/lora.md)')
+                        help="serve a live view of the engine at /dashboard, for workshops "
+                             "(docs/workshop.md)")
+    parser.add_argument("--lora-modules", nargs="+", type=lora_module, default=[],
+                        metavar="NAME=PATH",
+                        help='LoRA adapters (PEFT folders) served as model NAME, with '
+                        '--enable-lora; an item may also be JSON: {"name": NAME, "path": PATH} '
+                        '(docs/lora.md)')
     parser.add_argument("--allow-runtime-lora-updating", action="store_true",
                         help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's "
-                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, a client could load any folder")
+                        "VLLM_ALLOW_RUNTIME_LORA_UPDATING): off by default, a client could load "
+                        "any folder")
     add_engine_flags(parser)
 
 
@@ -119,9 +130,10 @@ def lora_module(text: str) -> LoRAModulePath:
 
 
 class Server(uvicorn.Server):
-    """uvicorn, stopped by SIGINT/SIGTERM: it stops accepting connections and lets running requests finish; after
-    `grace` seconds the app aborts those still running (their streams end with an error event). uvicorn would
-    re-raise the signal once it is done; a server stopped on purpose has done its job, so it exits 0 instead."""
+    """uvicorn, stopped by SIGINT/SIGTERM: it stops accepting connections and lets running requests
+    finish; after `grace` seconds the app aborts those still running (their streams end with an
+    error event). uvicorn would re-raise the signal once it is done; a server stopped on purpose has
+    done its job, so it exits 0 instead."""
 
     def __init__(self, config: uvicorn.Config, grace: float):
         super().__init__(config)
@@ -131,7 +143,8 @@ class Server(uvicorn.Server):
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
         self.loop.call_soon_threadsafe(self.config.app.state.stopping.set)
-        self.loop.call_soon_threadsafe(self.loop.call_later, self.grace, self.config.app.state.shutting_down.set)
+        self.loop.call_soon_threadsafe(self.loop.call_later, self.grace,
+                                       self.config.app.state.shutting_down.set)
 
 
 def served_model_name(args: argparse.Namespace) -> str:
@@ -143,8 +156,9 @@ def app_from_args(engine, args: argparse.Namespace):
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
         raise SystemExit("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
     return build_app(engine, served_model_name(args), args.api_key,
-                     args.tool_call_parser if args.enable_auto_tool_choice else None, dashboard=args.dashboard,
-                     lora_modules=args.lora_modules, allow_runtime_lora_updating=args.allow_runtime_lora_updating)
+                     args.tool_call_parser if args.enable_auto_tool_choice else None,
+                     dashboard=args.dashboard, lora_modules=args.lora_modules,
+                     allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 async def serve(args: argparse.Namespace) -> None:
@@ -153,7 +167,8 @@ async def serve(args: argparse.Namespace) -> None:
         name = served_model_name(args)
         app = app_from_args(engine, args)
         # uvicorn's own deadline is a backstop: by then the app has ended every stream itself
-        config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+        config = uvicorn.Config(app, host=args.host, port=args.port,
+                                log_level=args.uvicorn_log_level,
                                 timeout_graceful_shutdown=args.shutdown_timeout + 5)
         logger.info("serving %s on http://%s:%d", name, args.host, args.port)
         if args.dashboard:
@@ -173,14 +188,17 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """The `nanoserve` console script: `nanoserve serve [MODEL] [flags]`, `nanoserve proxy --prefill A --decode B`."""
-    parser = argparse.ArgumentParser(prog="nanoserve", description="nanoserve: a small, readable LLM engine")
+    """The `nanoserve` console script: `nanoserve serve [MODEL] [flags]`,
+    `nanoserve proxy --prefill A --decode B`."""
+    parser = argparse.ArgumentParser(prog="nanoserve",
+                                     description="nanoserve: a small, readable LLM engine")
     commands = parser.add_subparsers(dest="command", required=True)
     serve_parser = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server",
                                        description=__doc__.split("\n\n")[0])
     add_serve_flags(serve_parser)
-    proxy_parser = commands.add_parser("proxy", help="put one address in front of a prefill and a decode instance",
-                                       description="disaggregated prefill's proxy (nanoserve/serving/proxy.py)")
+    proxy_parser = commands.add_parser(
+        "proxy", help="put one address in front of a prefill and a decode instance",
+        description="disaggregated prefill's proxy (nanoserve/serving/proxy.py)")
     add_proxy_flags(proxy_parser)
     args = parser.parse_args(argv)
     if args.command == "proxy":
@@ -190,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
 
 def serve_main(argv: list[str] | None = None) -> None:
     """`python -m nanoserve.serving [MODEL] [flags]`, the same as `nanoserve serve`."""
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.serving", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.serving",
+                                     description=__doc__.split("\n\n")[0])
     add_serve_flags(parser)
     run(parser.parse_args(argv), parser)

@@ -1,5 +1,6 @@
-"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: the app's handlers for what the
-routes raise (APIError), what FastAPI's validation refuses, and unknown routes; and the API key's check."""
+"""Errors in OpenAI's shape, {"error": {"message", "type", "param", "code"}}: the app's handlers for
+what the routes raise (APIError), what FastAPI's validation refuses, and unknown routes; and the API
+key's check."""
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -10,7 +11,8 @@ from nanoserve.serving.protocol import APIError
 
 
 class APIKeyMiddleware:
-    """Every /v1 route needs `Authorization: Bearer KEY` (plain ASGI, so that streams pass through untouched)."""
+    """Every /v1 route needs `Authorization: Bearer KEY` (plain ASGI, so that streams pass through
+    untouched)."""
 
     def __init__(self, app, api_key: str):
         self.app, self.expected = app, f"Bearer {api_key}"
@@ -31,21 +33,27 @@ def add_error_handlers(app: FastAPI) -> None:
     async def api_error(_, e: APIError):
         return JSONResponse(e.body(), e.status_code)
 
+    # malformed JSON, missing fields, wrong types
     @app.exception_handler(RequestValidationError)
-    async def invalid_request(_, e: RequestValidationError):  # malformed JSON, missing fields, wrong types
-        errors = e.errors()  # each with a `loc` such as ("body", "prompt") or, for malformed JSON, ("body", 15)
-        param = next((part for part in errors[0]["loc"][1:] if isinstance(part, str)), None) if errors else None
-        return await api_error(None, APIError(400, "; ".join(map(describe, errors)) or "invalid request", param))
+    async def invalid_request(_, e: RequestValidationError):
+        # each with a `loc` such as ("body", "prompt") or, for malformed JSON, ("body", 15)
+        errors = e.errors()
+        loc = errors[0]["loc"][1:] if errors else ()
+        param = next((part for part in loc if isinstance(part, str)), None)
+        message = "; ".join(map(describe, errors)) or "invalid request"
+        return await api_error(None, APIError(400, message, param))
 
     @app.exception_handler(HTTPException)
     async def http_error(_, e: HTTPException):  # an unknown route (404), a wrong method (405)
-        return await api_error(None, APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+        return await api_error(None,
+                               APIError(e.status_code, str(e.detail), code=str(e.status_code)))
 
 
 def describe(error: dict) -> str:
     """One of pydantic's validation errors as a line that names the field."""
     if error["type"] == "json_invalid":
-        return f"body: malformed JSON at character {error['loc'][-1]}: {error.get('ctx', {}).get('error', '')}"
+        reason = error.get("ctx", {}).get("error", "")
+        return f"body: malformed JSON at character {error['loc'][-1]}: {reason}"
     if error["type"] == "extra_forbidden":  # (protocol.RequestModel)
         return f"{'.'.join(map(str, error['loc'][1:]))}: nanoserve does not support this field"
     return f"{'.'.join(map(str, error['loc'][1:])) or 'body'}: {error['msg']}"

@@ -1,10 +1,12 @@
-"""The models a server answers to (vLLM's OpenAIServingModels): the base model and its LoRA adapters.
+"""The models a server answers to (vLLM's OpenAIServingModels): the base model and its LoRA
+adapters.
 
-`nanoserve serve MODEL --enable-lora --lora-modules name=path ...` serves each adapter under its own model name;
-a request's `"model"` picks one (a LoRARequest with the id the name got when it was loaded), and an unknown name is
-a 404. /v1/models lists the adapters beside the base model, each with `parent` naming it. With
---allow-runtime-lora-updating (off by default: whoever can reach the server could load files from its disk),
-POST /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove adapters while the server runs.
+`nanoserve serve MODEL --enable-lora --lora-modules name=path ...` serves each adapter under its own
+model name; a request's `"model"` picks one (a LoRARequest with the id the name got when it was
+loaded), and an unknown name is a 404. /v1/models lists the adapters beside the base model, each
+with `parent` naming it. With --allow-runtime-lora-updating (off by default: whoever can reach the
+server could load files from its disk), POST /v1/load_lora_adapter and /v1/unload_lora_adapter add
+and remove adapters while the server runs.
 """
 import json
 from dataclasses import dataclass
@@ -27,12 +29,15 @@ def parse_lora_module(text: str) -> LoRAModulePath:
     """One --lora-modules item: `name=path`, or vLLM's JSON `{"name": ..., "path": ...}`."""
     if text.lstrip().startswith("{"):
         item = json.loads(text)
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or not isinstance(item.get("path"), str):
-            raise ValueError(f"--lora-modules: {text} must be name=path or {{\"name\": ..., \"path\": ...}}")
+        if (not isinstance(item, dict) or not isinstance(item.get("name"), str)
+                or not isinstance(item.get("path"), str)):
+            raise ValueError(f"--lora-modules: {text} must be name=path or "
+                             f"{{\"name\": ..., \"path\": ...}}")
         return LoRAModulePath(item["name"], item["path"])
     name, sep, path = text.partition("=")
     if not (sep and name and path):
-        raise ValueError(f"--lora-modules: {text} must be name=path or {{\"name\": ..., \"path\": ...}}")
+        raise ValueError(f"--lora-modules: {text} must be name=path or "
+                         f"{{\"name\": ..., \"path\": ...}}")
     return LoRAModulePath(name, path)
 
 
@@ -47,20 +52,24 @@ class UnloadLoRAAdapterRequest(RequestModel):
 
 
 class ServedModels:
-    """The base model's name and the adapters loaded, by name. The engine core checks an adapter (reads its folder)
-    when it is added, so a request naming it fails on nothing but its own fields."""
+    """The base model's name and the adapters loaded, by name. The engine core checks an adapter
+    (reads its folder) when it is added, so a request naming it fails on nothing but its own
+    fields."""
 
     def __init__(self, core, base_model_name: str, max_model_len: int):
         self.core, self.base_model_name, self.max_model_len = core, base_model_name, max_model_len
         self.lora_requests: dict[str, LoRARequest] = {}
-        self.lora_ids = count(1)  # never reused: an id keys the prefix cache's blocks and the engine's slots
+        # never reused: an id keys the prefix cache's blocks and the engine's slots
+        self.lora_ids = count(1)
 
     def add(self, name: str, path: str) -> LoRARequest:
-        """Load an adapter under a new name; a ValueError names what is wrong (the name, or the folder)."""
+        """Load an adapter under a new name; a ValueError names what is wrong (the name, or the
+        folder)."""
         if name == self.base_model_name or name in self.lora_requests:
             raise ValueError(f"lora_name: the model `{name}` is already served")
         if self.core.config.lora_config is None:
-            raise ValueError("lora_name: this server serves no adapters; start it with --enable-lora")
+            raise ValueError("lora_name: this server serves no adapters; "
+                             "start it with --enable-lora")
         lora = LoRARequest(name, next(self.lora_ids), path)
         self.core.add_lora(lora)  # (LoRAEngineCore's) reads the folder, or says what is wrong
         self.lora_requests[name] = lora
@@ -69,7 +78,8 @@ class ServedModels:
     def remove(self, name: str) -> None:
         """Requests already running keep their adapter; new ones can no longer name it."""
         if self.lora_requests.pop(name, None) is None:
-            raise APIError(404, f"The lora adapter `{name}` cannot be found.", "lora_name", "model_not_found")
+            raise APIError(404, f"The lora adapter `{name}` cannot be found.", "lora_name",
+                           "model_not_found")
 
     def lora_request(self, model: str | None) -> LoRARequest | None:
         """A request's `model`: the base model (None), one of the adapters, or a 404."""
@@ -80,16 +90,19 @@ class ServedModels:
         return self.lora_requests[model]
 
     def cards(self) -> list[dict]:
-        """/v1/models: the base model, then each adapter with its folder (`root`) and its base model (`parent`)."""
-        card = dict(object="model", created=0, owned_by="nanoserve", max_model_len=self.max_model_len)
+        """/v1/models: the base model, then each adapter with its folder (`root`) and its base model
+        (`parent`)."""
+        card = dict(object="model", created=0, owned_by="nanoserve",
+                    max_model_len=self.max_model_len)
         return [dict(id=self.base_model_name, **card)] + [
             dict(id=name, root=lora.lora_path, parent=self.base_model_name, **card)
             for name, lora in self.lora_requests.items()]
 
 
 def add_lora_routes(router: APIRouter, models: ServedModels) -> None:
-    """POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}, answered
-    as vLLM does: a line of text. A bad adapter is a 400 naming the field, and the server serves on."""
+    """POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter
+    {"lora_name"}, answered as vLLM does: a line of text. A bad adapter is a 400 naming the field,
+    and the server serves on."""
 
     @router.post("/load_lora_adapter")
     async def load_lora_adapter(request: LoadLoRAAdapterRequest):
@@ -103,4 +116,5 @@ def add_lora_routes(router: APIRouter, models: ServedModels) -> None:
     @router.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest):
         models.remove(request.lora_name)
-        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed successfully.")
+        return PlainTextResponse(f"Success: LoRA adapter '{request.lora_name}' removed "
+                                 "successfully.")

@@ -1,13 +1,15 @@
-"""`nanoserve proxy --prefill URL --decode URL` (and `python -m nanoserve.serving.proxy`): one OpenAI-compatible
-address in front of a disaggregated pair (docs/disaggregated.md), as vLLM's disaggregated-prefill proxies.
+"""`nanoserve proxy --prefill URL --decode URL` (and `python -m nanoserve.serving.proxy`): one
+OpenAI-compatible address in front of a disaggregated pair (docs/disaggregated.md), as vLLM's
+disaggregated-prefill proxies.
 
-Each completion or chat request goes through both instances. First the prefill instance (`kv_role` kv_producer)
-computes the prompt: the same body with max_tokens=1, not streamed, and kv_transfer_params {"do_remote_decode":
-true}; its answer holds kv_transfer_params for the decode instance. Then the decode instance (kv_consumer) gets the
-client's own body with those params: it pulls the prompt's KV blocks from the prefill instance and generates, and its
-answer, streamed or not, is passed to the client as it comes. An error from either instance reaches the client as
-the instance sent it (OpenAI's shape, its status); one the proxy meets itself is in the same shape:
-a body that is not a JSON object is a 400, a route it does not serve a 404 naming those it does, an
+Each completion or chat request goes through both instances. First the prefill instance (`kv_role`
+kv_producer) computes the prompt: the same body with max_tokens=1, not streamed, and
+kv_transfer_params {"do_remote_decode": true}; its answer holds kv_transfer_params for the decode
+instance. Then the decode instance (kv_consumer) gets the client's own body with those params: it
+pulls the prompt's KV blocks from the prefill instance and generates, and its answer, streamed or
+not, is passed to the client as it comes. An error from either instance reaches the client as the
+instance sent it (OpenAI's shape, its status); one the proxy meets itself is in the same shape: a
+body that is not a JSON object is a 400, a route it does not serve a 404 naming those it does, an
 instance it cannot reach a 502. /health says which instance is down; /metrics gives both instances'
 series, each labelled with its kv_role.
 """
@@ -28,8 +30,10 @@ from nanoserve.serving.errors import add_error_handlers
 from nanoserve.serving.protocol import APIError
 
 logger = logging.getLogger("nanoserve.proxy")
-# Fields that must not reach the prefill instance: it computes the prompt and one token, once, not streamed.
-PREFILL_DROPS = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "best_of", "use_beam_search")
+# Fields that must not reach the prefill instance: it computes the prompt and one token, once, not
+# streamed.
+PREFILL_DROPS = ("stream", "stream_options", "max_completion_tokens", "min_tokens", "n", "best_of",
+                 "use_beam_search")
 ROUTES = ("POST /v1/completions", "POST /v1/chat/completions", "GET /v1/models", "GET /health",
           "GET /metrics")
 HEALTH_TIMEOUT = 10.0  # seconds an instance's /health may take before it counts as down
@@ -95,7 +99,8 @@ class Parsed:
 def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> FastAPI:
     """The proxy's app: /v1/completions and /v1/chat/completions through both instances,
     /v1/models from the decode instance, /health and /metrics from both."""
-    app = FastAPI(title="nanoserve proxy", summary="disaggregated prefill: a prefill and a decode instance")
+    app = FastAPI(title="nanoserve proxy",
+                  summary="disaggregated prefill: a prefill and a decode instance")
     client = httpx.AsyncClient(timeout=timeout)
     app.router.on_shutdown.append(client.aclose)
     instances = {"kv_producer": ("prefill", prefill_url), "kv_consumer": ("decode", decode_url)}
@@ -104,10 +109,12 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
         body = await json_object(raw)
         headers = {k: v for k, v in raw.headers.items() if k.lower() == "authorization"}
         try:
-            prefill = await client.post(f"{prefill_url}{path}", json=prefill_body(body), headers=headers)
+            prefill = await client.post(f"{prefill_url}{path}", json=prefill_body(body),
+                                        headers=headers)
         except httpx.HTTPError as error:
             return unreachable("prefill", prefill_url, error)
-        if prefill.status_code != 200:  # a bad request: the prefill instance said why, in OpenAI's shape
+        if prefill.status_code != 200:
+            # a bad request: the prefill instance said why, in OpenAI's shape
             return Response(prefill.content, prefill.status_code, media_type="application/json")
         body["kv_transfer_params"] = prefill.json().get("kv_transfer_params")
         request = client.build_request("POST", f"{decode_url}{path}", json=body, headers=headers)
@@ -185,8 +192,10 @@ def build_proxy(prefill_url: str, decode_url: str, timeout: float = 600.0) -> Fa
 
 
 def add_proxy_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prefill", required=True, metavar="URL", help="the prefill instance (kv_producer)")
-    parser.add_argument("--decode", required=True, metavar="URL", help="the decode instance (kv_consumer)")
+    parser.add_argument("--prefill", required=True, metavar="URL",
+                        help="the prefill instance (kv_producer)")
+    parser.add_argument("--decode", required=True, metavar="URL",
+                        help="the decode instance (kv_consumer)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--uvicorn-log-level", default="info",
@@ -197,13 +206,15 @@ def run(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     app = build_proxy(instance_url("--prefill", args.prefill),
                       instance_url("--decode", args.decode))
-    logger.info("proxying http://%s:%d to prefill %s and decode %s", args.host, args.port, args.prefill, args.decode)
+    logger.info("proxying http://%s:%d to prefill %s and decode %s", args.host, args.port,
+                args.prefill, args.decode)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
 
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m nanoserve.serving.proxy --prefill URL --decode URL`."""
-    parser = argparse.ArgumentParser(prog="python -m nanoserve.serving.proxy", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m nanoserve.serving.proxy",
+                                     description=__doc__.split("\n\n")[0])
     add_proxy_flags(parser)
     run(parser.parse_args(argv))
 

@@ -1,8 +1,9 @@
-"""The Responses API's request and response, as pydantic models (serving/protocol.py holds the chat API's):
-what `POST /v1/responses` accepts (`ResponsesRequest`: a string or a list of input items, instructions, function
-tools, text.format, ...) and what it answers (`ResponseObject`: the output items, status, usage). Any field not
-declared here (built-in tools, `reasoning`, `include`, ...) is a 400 naming it (`RequestModel` forbids extras).
-serving/responses.py turns them into a chat request and back.
+"""The Responses API's request and response, as pydantic models (serving/protocol.py holds the chat
+API's): what `POST /v1/responses` accepts (`ResponsesRequest`: a string or a list of input items,
+instructions, function tools, text.format, ...) and what it answers (`ResponseObject`: the output
+items, status, usage). Any field not declared here (built-in tools, `reasoning`, `include`, ...) is
+a 400 naming it (`RequestModel` forbids extras). serving/responses.py turns them into a chat request
+and back.
 """
 from typing import Annotated, Literal
 
@@ -11,9 +12,10 @@ from pydantic import BaseModel, Discriminator, Field, Tag
 from nanoserve.serving.protocol import RequestModel
 
 
-# ---- the request ---------------------------------------------------------------------------------------
+# ---- the request ---------------------------------------------------------------------------------
 class TextPart(RequestModel):
-    type: Literal["input_text", "output_text"]  # output_text: an earlier answer's, sent back in the history
+    # output_text: an earlier answer's, sent back in the history
+    type: Literal["input_text", "output_text"]
     text: str
     annotations: list | None = None  # (an earlier answer's, sent back: nanoserve makes none)
 
@@ -22,7 +24,8 @@ class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]  # developer: a system message
     content: str | list[TextPart]
-    id: str | None = None  # an earlier output item's id and status, sent back with it: they name it, no more
+    # an earlier output item's id and status, sent back with it: they name it, no more
+    id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
@@ -48,18 +51,23 @@ class FunctionCallOutputItem(RequestModel):
 
 
 def item_type(item) -> str | None:
-    """Which kind of input item: its `type`, a message without one (OpenAI's "easy input message")."""
+    """Which kind of input item: its `type`, a message without one (OpenAI's "easy input
+    message")."""
     return item.get("type", "message") if isinstance(item, dict) else getattr(item, "type", None)
 
 
-InputItem = Annotated[Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")], Discriminator(item_type)]
+InputItem = Annotated[Annotated[MessageItem, Tag("message")]
+                      | Annotated[FunctionCallItem, Tag("function_call")]
+                      | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+                      Discriminator(item_type)]
 
 
 class TextFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None  # json_schema: the schema's name, description and strictness (always strict here:
-    description: str | None = None  # the output is constrained to the schema)
+    # json_schema: the schema's name, description and strictness (always strict here: the output
+    # is constrained to the schema)
+    name: str | None = None
+    description: str | None = None
     schema_: dict | None = Field(None, alias="schema")
     strict: bool | None = None
 
@@ -69,7 +77,8 @@ class TextConfig(RequestModel):
 
 
 class FunctionTool(RequestModel):
-    type: Literal["function"]  # only functions: built-in tools (web_search, file_search, ...) are a 400
+    # only functions: built-in tools (web_search, file_search, ...) are a 400
+    type: Literal["function"]
     name: str
     description: str | None = None
     parameters: dict | None = None  # a JSON schema of the arguments
@@ -88,7 +97,8 @@ class ResponsesRequest(RequestModel):
     max_output_tokens: int | None = None  # None: up to max_model_len, as in vLLM
     temperature: float | None = None  # None: 1
     top_p: float | None = None  # None: 1
-    text: TextConfig | None = None  # text.format: json_schema or json_object (structured outputs), or text
+    # text.format: json_schema or json_object (structured outputs), or text
+    text: TextConfig | None = None
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedTool | None = None
     parallel_tool_calls: bool = True  # false: at most one call
@@ -97,7 +107,7 @@ class ResponsesRequest(RequestModel):
     previous_response_id: str | None = None  # refused: no response is kept to continue from
 
 
-# ---- the response --------------------------------------------------------------------------------------
+# ---- the response --------------------------------------------------------------------------------
 class OutputText(BaseModel):
     type: Literal["output_text"] = "output_text"
     text: str

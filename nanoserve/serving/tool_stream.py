@@ -1,16 +1,20 @@
 """Tool calls streamed: the answer's text, as it comes, turned into OpenAI's `tool_calls` deltas.
 
-A streamed call is a first delta that names it (`index`, `id`, `type`, `function.name`), then the `arguments` JSON
-text in fragments; the choice's last chunk says `finish_reason: "tool_calls"`. The text arrives a token at a time,
-so each chunk re-reads the whole text so far as calls cut off anywhere (`partial_calls`) and sends what was not
-sent yet: a call's name once its string is whole, then its arguments as they grow. Per tool mode:
-- a named function: the constrained text is the arguments' JSON; the call is named before the first token.
-- "required": the text is a JSON list `[{"name": ..., "parameters": {...}}, ...]`, constrained to the tools.
-- "auto" with the hermes parser: text before the first `<tool_call>` streams as content; the end of the text that
-  could be the start of a tag (and whitespace, which the whole answer strips before a call) is held back until
-  the next token tells. Each `<tool_call>{"name": ...,
-  "arguments": {...}}</tool_call>` then streams as a call. vLLM's hermes parser does the same; where a call's text
-  is malformed the streamed deltas cannot be taken back, while the whole answer keeps such text as content.
+A streamed call is a first delta that names it (`index`, `id`, `type`, `function.name`), then the
+`arguments` JSON text in fragments; the choice's last chunk says `finish_reason: "tool_calls"`. The
+text arrives a token at a time, so each chunk re-reads the whole text so far as calls cut off
+anywhere (`partial_calls`) and sends what was not sent yet: a call's name once its string is whole,
+then its arguments as they grow. Per tool mode:
+- a named function: the constrained text is the arguments' JSON; the call is named before the first
+  token.
+- "required": the text is a JSON list `[{"name": ..., "parameters": {...}}, ...]`, constrained to
+  the tools.
+- "auto" with the hermes parser: text before the first `<tool_call>` streams as content; the end of
+  the text that could be the start of a tag (and whitespace, which the whole answer strips before a
+  call) is held back until the next token tells. Each `<tool_call>{"name": ...,
+  "arguments": {...}}</tool_call>` then streams as a call. vLLM's hermes parser does the same; where
+  a call's text is malformed the streamed deltas cannot be taken back, while the whole answer keeps
+  such text as content.
 """
 import json
 import re
@@ -26,7 +30,8 @@ Call = tuple[str | None, str]  # (the name once whole, the arguments' text so fa
 
 
 def value_end(text: str, start: int) -> int | None:
-    """Where the JSON value that starts at text[start] (no whitespace) ends, or None if the text stops first."""
+    """Where the JSON value that starts at text[start] (no whitespace) ends, or None if the text
+    stops first."""
     depth, in_string, escaped = 0, False, False
     for i in range(start, len(text)):
         ch = text[i]
@@ -48,9 +53,10 @@ def value_end(text: str, start: int) -> int | None:
 
 
 def partial_call(text: str, arguments_key: str) -> Call:
-    """A call object {"name": ..., KEY: {...}} cut off anywhere. The name is read once its string is whole and the
-    arguments once their key has come, if name comes first (it does in constrained output, whose keys keep the
-    schema's order; a model writing hermes calls freely is read once the call is whole, in `auto_calls`)."""
+    """A call object {"name": ..., KEY: {...}} cut off anywhere. The name is read once its string is
+    whole and the arguments once their key has come, if name comes first (it does in constrained
+    output, whose keys keep the schema's order; a model writing hermes calls freely is read once the
+    call is whole, in `auto_calls`)."""
     name = re.match(rf"\s*\{{\s*\"name\"\s*:\s*({STRING})", text)
     if name is None:
         return None, ""
@@ -75,18 +81,22 @@ def required_calls(text: str) -> list[Call]:
 
 
 def auto_calls(text: str) -> tuple[str, list[Call]]:
-    """tool_choice "auto", hermes: the content so far (before the first tag, less a possible tag start at its
-    end), and the calls so far."""
+    """tool_choice "auto", hermes: the content so far (before the first tag, less a possible tag
+    start at its end), and the calls so far."""
     start = text.find(TAG)
-    if start < 0:  # hold back an end that may be the start of a tag ("<tool"), and whitespace before it
+    if start < 0:
+        # hold back an end that may be the start of a tag ("<tool"), and whitespace before it
         held = next((n for n in range(len(TAG) - 1, 0, -1) if text.endswith(TAG[:n])), 0)
         return text[: len(text) - held].rstrip(), []
     content, calls = text[:start].rstrip(), []
-    while start >= 0:  # each call's body runs to the first end tag after its tag, as in parse_hermes
+    while start >= 0:
+        # each call's body runs to the first end tag after its tag, as in parse_hermes
         end = text.find(END_TAG, start)
         body = text[start + len(TAG) : None if end < 0 else end]
         name, arguments = partial_call(body, "arguments")
-        if end >= 0:  # its JSON is complete: a call in another key order or without arguments is read whole now
+        if end >= 0:
+            # its JSON is complete: a call in another key order or without arguments is read whole
+            # now
             try:
                 call = json.loads(body)
                 name, arguments = call["name"], arguments or json.dumps(call.get("arguments", {}))
@@ -99,15 +109,18 @@ def auto_calls(text: str) -> tuple[str, list[Call]]:
 
 @dataclass
 class ChoiceStream:
-    """One choice's progress: its text so far, and how much of its content and of each call was sent."""
+    """One choice's progress: its text so far, and how much of its content and of each call was
+    sent."""
 
     text: str = ""
     content_sent: int = 0
-    calls_sent: list[tuple[str, int]] = field(default_factory=list)  # (id, arguments characters sent)
+    # (id, arguments characters sent)
+    calls_sent: list[tuple[str, int]] = field(default_factory=list)
 
 
 class ToolCallStream:
-    """Rewrites a streamed chat request's chunks (one per choice's delta) when its tools are answered as calls."""
+    """Rewrites a streamed chat request's chunks (one per choice's delta) when its tools are
+    answered as calls."""
 
     def __init__(self, request: ChatCompletionRequest, mode: str):
         self.mode, self.parallel = mode, request.parallel_tool_calls
@@ -128,15 +141,18 @@ class ToolCallStream:
         if self.mode == "required":
             return "", required_calls(text)
         content, calls = auto_calls(text)
-        return content, calls if self.parallel else calls[:1]  # ("required": the grammar allows one call)
+        # ("required": the grammar allows one call)
+        return content, calls if self.parallel else calls[:1]
 
     def rewrite(self, choice: ChatChunkChoice) -> bool:
-        """Turn the chunk's text delta into content and tool_calls deltas, in place; the finish_reason "stop" of a
-        choice that made calls becomes "tool_calls". False if the chunk has nothing left to send."""
+        """Turn the chunk's text delta into content and tool_calls deltas, in place; the
+        finish_reason "stop" of a choice that made calls becomes "tool_calls". False if the chunk
+        has nothing left to send."""
         state = self.choices.setdefault(choice.index, ChoiceStream())
         state.text += choice.delta.content or ""
         content, calls = self.parse(state.text)
-        if choice.finish_reason is not None and not calls:  # the end: what was held back is plain text
+        if choice.finish_reason is not None and not calls:
+            # the end: what was held back is plain text
             content = state.text
         deltas = []
         for i, (name, arguments) in enumerate(calls):
@@ -147,7 +163,8 @@ class ToolCallStream:
                 deltas.append(ToolCallDelta(index=i, id=state.calls_sent[i][0], type="function",
                                             function={"name": name, "arguments": arguments}))
             elif len(arguments) > state.calls_sent[i][1]:
-                deltas.append(ToolCallDelta(index=i, function={"arguments": arguments[state.calls_sent[i][1]:]}))
+                new = arguments[state.calls_sent[i][1]:]
+                deltas.append(ToolCallDelta(index=i, function={"arguments": new}))
             state.calls_sent[i] = (state.calls_sent[i][0], len(arguments))
         choice.delta.content = content[state.content_sent:] or None
         state.content_sent = len(content)

@@ -1,11 +1,13 @@
-"""Sliding-window attention's block manager: a sequence gives back the blocks its window has left behind.
+"""Sliding-window attention's block manager: a sequence gives back the blocks its window has left
+behind.
 
-A layer with a sliding window W computes the token at position p from the keys at positions p - W + 1 .. p only
-(layers/attention.py). When every layer is windowed, a block whose tokens all lie before the window of the next
-token to compute is read by no layer again: it goes back to the pool, and its place in the block table holds the
-null block (vLLM V1's SlidingWindowManager), so logical block i stays at index i for the model runner's slot
-arithmetic. Once its prompt is computed, a sequence holds at most ceil(W / block_size) + 1 blocks, however long
-it runs. A freed block keeps its hash, as any freed block: a later prompt can still hit it.
+A layer with a sliding window W computes the token at position p from the keys at positions
+p - W + 1 .. p only (layers/attention.py). When every layer is windowed, a block whose tokens all
+lie before the window of the next token to compute is read by no layer again: it goes back to the
+pool, and its place in the block table holds the null block (vLLM V1's SlidingWindowManager), so
+logical block i stays at index i for the model runner's slot arithmetic. Once its prompt is
+computed, a sequence holds at most ceil(W / block_size) + 1 blocks, however long it runs. A freed
+block keeps its hash, as any freed block: a later prompt can still hit it.
 
 A prompt (or a context recomputed after a preemption) gets its blocks chunk by chunk, as
 the scheduler computes it (vLLM V1's allocate_slots): a chunk of C tokens takes its blocks
@@ -21,8 +23,9 @@ from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.utils.math import cdiv
 
-# Never handed out and never written, so its KV stays zeros: the attention kernels may read it for a key before the
-# window, and mask it out. Each pool (the device's, the swap pool) keeps its own block 0 for it.
+# Never handed out and never written, so its KV stays zeros: the attention kernels may read it for a
+# key before the window, and mask it out. Each pool (the device's, the swap pool) keeps its own
+# block 0 for it.
 NULL_BLOCK = 0
 
 
@@ -46,8 +49,8 @@ class SlidingWindowBlockManager(BlockManager):
         return self.num_freed_behind_window
 
     def first_needed_block(self, seq: Sequence) -> int:
-        """The next token to compute sits at num_computed_tokens and sees back to num_computed_tokens - W + 1:
-        no layer reads the blocks before this one again."""
+        """The next token to compute sits at num_computed_tokens and sees back to
+        num_computed_tokens - W + 1: no layer reads the blocks before this one again."""
         first = max(seq.num_computed_tokens - self.sliding_window + 1, 0) // self.block_size
         return min(first, len(seq.block_table))
 
@@ -55,7 +58,8 @@ class SlidingWindowBlockManager(BlockManager):
         """Give back seq's blocks behind its window; returns their ids."""
         n = self.first_needed_block(seq)
         behind = [b for b in seq.block_table[:n] if b != NULL_BLOCK]
-        if behind:  # a new list: the persistent batch rewrites the row of a sequence whose list changed
+        if behind:
+            # a new list: the persistent batch rewrites the row of a sequence whose list changed
             seq.block_table = [NULL_BLOCK] * n + seq.block_table[n:]
             self.free(behind)
             self.num_freed_behind_window += len(behind)
@@ -68,13 +72,15 @@ class SlidingWindowBlockManager(BlockManager):
         super().share([b for b in block_ids if b != NULL_BLOCK])
 
     def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[int]]:
-        """vLLM V1's rule for a window: a prefix of k blocks is a hit when the blocks the window of its first
-        uncomputed token reads (the last ceil((W - 1) / block_size) of them) are cached; those before it may be
-        gone, and are null blocks in the table. The longest such prefix; no second tier
+        """vLLM V1's rule for a window: a prefix of k blocks is a hit when the blocks the window of
+        its first uncomputed token reads (the last ceil((W - 1) / block_size) of them) are cached;
+        those before it may be gone, and are null blocks in the table. The longest such prefix; no
+        second tier
         (window_block_manager refuses one)."""
         if not self.enable_prefix_caching or seq.prompt_logprobs is not None:
             return [], []
-        hashes = seq.block_hashes[: (len(seq) - 1) // self.block_size]  # (the last token needs logits)
+        # (the last token needs logits)
+        hashes = seq.block_hashes[: (len(seq) - 1) // self.block_size]
         cached = [self.cached_block_id(h, seq.block(i)) for i, h in enumerate(hashes)]
         need = cdiv(self.sliding_window - 1, self.block_size)
         for num_hit in range(len(cached), 0, -1):
@@ -85,12 +91,13 @@ class SlidingWindowBlockManager(BlockManager):
 
     def allocate(self, seq: Sequence, max_new_tokens: int | None = None) -> bool:
         allocated = super().allocate(seq, max_new_tokens)
-        self.blocks[NULL_BLOCK].ref_count = 1  # (the base class counted the null entries of a hit as references)
+        # (the base class counted the null entries of a hit as references)
+        self.blocks[NULL_BLOCK].ref_count = 1
         return allocated
 
     def hash_blocks(self, seq: Sequence, start: int, end: int) -> None:
-        """The base class's registration; then, the KV of start..end being written, the blocks behind the
-        window are freed."""
+        """The base class's registration; then, the KV of start..end being written, the blocks
+        behind the window are freed."""
         super().hash_blocks(seq, start, end)
         self.free_behind_window(seq)
 

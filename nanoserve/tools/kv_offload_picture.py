@@ -1,11 +1,12 @@
-"""One conversation's prompt blocks across the cache tiers, turn by turn (docs/images/kv_offload_turns.png).
+"""One conversation's prompt blocks across the cache tiers, turn by turn
+(docs/images/kv_offload_turns.png).
 
     python -m nanoserve.tools.kv_offload_picture [--out PATH]
 
-Four conversations take turns on the demo model, one request at a time, each turn re-sending its history, on a
-device pool that holds about one of them; the host tier (kv_offloading_size) holds them all. For conversation 0's
-every turn, each block of its prompt is drawn by where its KV came from: the device pool's prefix cache, the host
-tier (copied back), or the forward (computed).
+Four conversations take turns on the demo model, one request at a time, each turn re-sending its
+history, on a device pool that holds about one of them; the host tier (kv_offloading_size) holds
+them all. For conversation 0's every turn, each block of its prompt is drawn by where its KV came
+from: the device pool's prefix cache, the host tier (copied back), or the forward (computed).
 """
 import argparse
 import random
@@ -18,8 +19,10 @@ from nanoserve import LLM, SamplingParams
 COLOURS = {"device pool": "#4c72b0", "host tier": "#dd8452", "computed": "#cccccc"}
 
 
-def turns(num_conversations: int = 4, num_turns: int = 5, seed: int = 0) -> list[tuple[int, int, int]]:
-    """Conversation 0's turns: (device-hit blocks, host-hit blocks, computed blocks) of each prompt."""
+def turns(num_conversations: int = 4, num_turns: int = 5,
+          seed: int = 0) -> list[tuple[int, int, int]]:
+    """Conversation 0's turns: (device-hit blocks, host-hit blocks, computed blocks) of each
+    prompt."""
     llm = LLM(num_kvcache_blocks=48, kv_offloading_size=0.25)
     block_size, rng = llm.engine.config.block_size, random.Random(seed)
     histories = [[] for _ in range(num_conversations)]
@@ -28,7 +31,8 @@ def turns(num_conversations: int = 4, num_turns: int = 5, seed: int = 0) -> list
         for i in range(num_conversations):
             prompt = histories[i] + [rng.randrange(3, 40000) for _ in range(rng.randint(48, 96))]
             host_before = llm.stats.num_host_cached_tokens
-            out = llm.generate([prompt], SamplingParams(temperature=0, ignore_eos=True, max_tokens=16),
+            out = llm.generate([prompt],
+                               SamplingParams(temperature=0, ignore_eos=True, max_tokens=16),
                                use_tqdm=False)[0]
             histories[i] = prompt + out.outputs[0].token_ids
             if i == 0:

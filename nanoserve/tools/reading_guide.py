@@ -46,7 +46,8 @@ def plain_request_files(model: str | None = None) -> list[str]:
 
 
 def decode_step_files(model: str | None = None) -> list[str]:
-    """The files one decode step of a plain greedy request runs: `engine.step()` after its prefill."""
+    """The files one decode step of a plain greedy request runs: `engine.step()` after its
+    prefill."""
     from nanoserve import LLM, SamplingParams
 
     engine = LLM(model).engine

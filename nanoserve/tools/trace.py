@@ -2,12 +2,14 @@
 
     python -m nanoserve.tools.trace --scenario chunked [--model PATH] [--out DIR]
 
-runs a small scripted workload (see SCENARIOS) and writes NAME.txt (the step table), NAME_timeline.png (one
-row per request, coloured by its state in each step) and NAME_kv.png (the KV pool and the token budget).
-In Python: `llm = LLM(..., trace=True)`, generate, then `print_trace(llm.trace)`, `plot_timeline(llm.trace,
-"t.png")`, `plot_kv(llm.trace, "kv.png")`. docs/workshop.md is a workshop built on it.
-This file holds the scenarios and the command; the table is nanoserve/tools/step_table.py (`print_trace`,
-`format_trace`), the pictures nanoserve/tools/trace_pictures.py (`plot_timeline`, `plot_kv`, `plot_adapters`).
+runs a small scripted workload (see SCENARIOS) and writes NAME.txt (the step table),
+NAME_timeline.png (one row per request, coloured by its state in each step) and NAME_kv.png (the KV
+pool and the token budget). In Python: `llm = LLM(..., trace=True)`, generate, then
+`print_trace(llm.trace)`, `plot_timeline(llm.trace, "t.png")`, `plot_kv(llm.trace, "kv.png")`.
+docs/workshop.md is a workshop built on it.
+This file holds the scenarios and the command; the table is nanoserve/tools/step_table.py
+(`print_trace`, `format_trace`), the pictures nanoserve/tools/trace_pictures.py (`plot_timeline`,
+`plot_kv`, `plot_adapters`).
 """
 import argparse
 import os
@@ -20,7 +22,7 @@ from nanoserve.tools.step_table import default_names, format_trace
 from nanoserve.tools.trace_pictures import plot_kv, plot_timeline
 
 
-# ---- scripted workloads ----------------------------------------------------------------------------------
+# ---- scripted workloads --------------------------------------------------------------------------
 @dataclass
 class Request:
     name: str
@@ -45,7 +47,8 @@ SCENARIOS = {
         dict(num_kvcache_blocks=8)),
     "chunked": Scenario(
         "chunked prefill: a budget of 10 tokens; R1, R2, R3 (3, 5, 12 tokens), then R4 (34)",
-        [Request("R1", 3, 12), Request("R2", 5, 12), Request("R3", 12, 2), Request("R4", 34, 4, arrival=4)],
+        [Request("R1", 3, 12), Request("R2", 5, 12), Request("R3", 12, 2),
+         Request("R4", 34, 4, arrival=4)],
         dict(enable_chunked_prefill=True, max_num_batched_tokens=10, num_kvcache_blocks=24)),
     "priority": Scenario(
         "priority: L1, L2 (priority 5) run when U (priority 0) arrives; 10 KV blocks",
@@ -59,16 +62,18 @@ SCENARIOS = {
     "prefix": Scenario(
         "prefix caching: S1-S5 share a 16-token system prompt, X does not; S5 comes last",
         [Request("S1", 20, 4, shared_prefix=16), Request("S2", 19, 4, arrival=2, shared_prefix=16),
-         Request("S3", 22, 4, arrival=2, shared_prefix=16), Request("S4", 18, 4, arrival=2, shared_prefix=16),
-         Request("X", 10, 4, arrival=2), Request("S5", 21, 3, arrival=99, shared_prefix=16)],
+         Request("S3", 22, 4, arrival=2, shared_prefix=16),
+         Request("S4", 18, 4, arrival=2, shared_prefix=16), Request("X", 10, 4, arrival=2),
+         Request("S5", 21, 3, arrival=99, shared_prefix=16)],
         dict(num_kvcache_blocks=32)),
 }
 
 
 def run_scenario(name: str, model: str | None = None,
                  on_step: Callable[[LLM], None] | None = None) -> tuple[LLM, dict[int, str]]:
-    """Run a scenario step by step (requests arrive at their step), with blocks of 4 tokens on the CPU so the
-    pictures are the same for every model. Returns the engine (its trace) and the row names by sequence id."""
+    """Run a scenario step by step (requests arrive at their step), with blocks of 4 tokens on the
+    CPU so the pictures are the same for every model. Returns the engine (its trace) and the row
+    names by sequence id."""
     scenario = SCENARIOS[name]
     llm = LLM(model, trace=True, block_size=4, max_model_len=128, device="cpu", **scenario.options)
     rng = random.Random(0)
@@ -76,12 +81,14 @@ def run_scenario(name: str, model: str | None = None,
     system_prompt = [rng.randrange(3, vocab) for _ in range(32)]
     pending = list(scenario.requests)
     while pending or llm.engine.has_unfinished_requests():
-        while pending and (pending[0].arrival <= len(llm.trace) or not llm.engine.has_unfinished_requests()):
+        while pending and (pending[0].arrival <= len(llm.trace)
+                           or not llm.engine.has_unfinished_requests()):
             r = pending.pop(0)
             prompt = system_prompt[:r.shared_prefix] + [rng.randrange(3, vocab) for _ in
                                                          range(r.prompt_len - r.shared_prefix)]
             params = SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
-            llm.engine.add_request(r.name, prompt, params, r.priority)  # the request id names its row
+            # the request id names its row
+            llm.engine.add_request(r.name, prompt, params, r.priority)
         llm.engine.step()
         if on_step:
             on_step(llm)
@@ -92,10 +99,13 @@ DEFAULT_OUT = "trace-out"  # in .gitignore: a run in the repository leaves nothi
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--scenario", choices=list(SCENARIOS), default="default")
-    parser.add_argument("--model", default=None, help="a model folder or hub id (default: the embedded model)")
-    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for NAME.txt, NAME_timeline.png, NAME_kv.png "
+    parser.add_argument("--model", default=None,
+                        help="a model folder or hub id (default: the embedded model)")
+    parser.add_argument("--out", default=DEFAULT_OUT,
+                        help="folder for NAME.txt, NAME_timeline.png, NAME_kv.png "
                         f"(default: {DEFAULT_OUT}, which git ignores)")
     args = parser.parse_args(argv)
     llm, names = run_scenario(args.scenario, args.model)

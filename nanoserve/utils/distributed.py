@@ -1,8 +1,10 @@
-"""Which ranks work together. An engine with P pipeline stages of T tensor-parallel ranks each is P x T processes
-in one torch.distributed group: global rank r is stage r // T, tensor-parallel rank r % T (rank 0 schedules).
+"""Which ranks work together. An engine with P pipeline stages of T tensor-parallel ranks each is
+P x T processes in one torch.distributed group: global rank r is stage r // T, tensor-parallel rank
+r % T (rank 0 schedules).
 
-The layers all-reduce within their stage's group (tp_group); a stage hands its activations to the rank with the
-same tensor-parallel rank in the next stage (parallel/pipeline.py). With no process group: one rank, one stage.
+The layers all-reduce within their stage's group (tp_group); a stage hands its activations to the
+rank with the same tensor-parallel rank in the next stage (parallel/pipeline.py). With no process
+group: one rank, one stage.
 """
 import torch.distributed as dist
 
@@ -11,8 +13,8 @@ _tp_group: dist.ProcessGroup | None = None  # None: the default group (one stage
 
 
 def init_stage_groups(tp_size: int, pp_size: int) -> None:
-    """After dist.init_process_group: a group per stage. new_group is collective, so every rank makes every
-    stage's group, in the same order, and keeps its own."""
+    """After dist.init_process_group: a group per stage. new_group is collective, so every rank
+    makes every stage's group, in the same order, and keeps its own."""
     global _tp_size, _tp_group
     groups = [dist.new_group(list(range(s * tp_size, (s + 1) * tp_size))) for s in range(pp_size)] \
         if pp_size > 1 else [None]
@@ -38,4 +40,6 @@ def tp_rank_size() -> tuple[int, int]:
 
 def pp_rank_size() -> tuple[int, int]:
     """This process's stage, and the number of stages."""
-    return (dist.get_rank() // _tp_size, dist.get_world_size() // _tp_size) if dist.is_initialized() else (0, 1)
+    if not dist.is_initialized():
+        return 0, 1
+    return dist.get_rank() // _tp_size, dist.get_world_size() // _tp_size

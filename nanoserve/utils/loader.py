@@ -10,17 +10,20 @@ def default_weight_loader(param: nn.Parameter, loaded) -> None:
 
 
 def load_weights(model: nn.Module, path: str) -> None:
-    """Copy every tensor of a Hugging Face folder's *.safetensors into the model, fusing q/k/v and gate/up.
+    """Copy every tensor of a Hugging Face folder's *.safetensors into the model, fusing q/k/v and
+    gate/up.
 
-    A module with a `weight_loader` picks its part: its fused shard, and its rank's slice under tensor
-    parallelism. It gets a lazy safetensors slice: indexing it reads only those rows or columns from the file.
+    A module with a `weight_loader` picks its part: its fused shard, and its rank's slice under
+    tensor parallelism. It gets a lazy safetensors slice: indexing it reads only those rows or
+    columns from the file.
     """
     files = glob.glob(os.path.join(path, "*.safetensors"))
     if not files:
         raise ValueError(f"model: no *.safetensors weights in {path!r}")
     packed = getattr(model, "packed_modules_mapping", {})
-    # A pipeline stage holds only its own parts (parallel/pipeline.py): the others' tensors are skipped. A tied
-    # LM head is embed_tokens (one parameter, listed once), or, on a last stage without the embedding, its copy.
+    # A pipeline stage holds only its own parts (parallel/pipeline.py): the others' tensors are
+    # skipped. A tied LM head is embed_tokens (one parameter, listed once), or, on a last stage
+    # without the embedding, its copy.
     params = dict(model.named_parameters())
     names = {name for file in files for name in safe_open(file, "pt", "cpu").keys()}
     tied_head = ["lm_head.weight"] if "lm_head.weight" not in names else []

@@ -6,7 +6,8 @@ from numbers import Integral
 
 
 def record_from_dict(cls: type, options: object, name: str) -> object:
-    """options as a cls: one already, or a dict of its fields (an unknown key is a ValueError naming `name`)."""
+    """options as a cls: one already, or a dict of its fields (an unknown key is a ValueError naming
+    `name`)."""
     if isinstance(options, cls):
         return options
     if not isinstance(options, dict):
