@@ -97,7 +97,8 @@ def measure(num_seqs: int, steps: int, warmup: int, temperature: float, persiste
                   num_kvcache_blocks=num_seqs * (max_len // 16 + 2))
     engine = llm.engine
     if persistent_batch:  # the persistent batch's InputBuilder, as chapters.build_engine builds it on CUDA
-        engine.input_builder = InputBatch.from_config(engine.config, persistent=True)
+        engine.input_builder = InputBatch.from_config(engine.config)
+        engine.input_builder.persistent = True
     vocab = engine.config.hf_config.vocab_size
     kind = RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.CUMULATIVE
     params = SamplingParams(temperature=temperature, top_p=0.95 if temperature else 1.0, ignore_eos=True,

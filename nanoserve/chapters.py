@@ -6,14 +6,19 @@ each does nothing of its own unless its config asks for it. They meet here, in o
 per part of the engine (`ChaptersScheduler` ...), whose bases list them in the order their overrides
 run (each calls `super()`, down to the core's). `build_engine(config)` builds the core's classes
 alone when the config asks for no chapter, as for a plain request (tests/test_reading_guide.py
-checks that it runs the core alone), else the composites. Chapters that still plug into the seams
-(engine/seams.py) are handed them after the engine is built, those a request asks for too
-(structured outputs and beam search with their enable_ options; logprobs, with max_logprobs > 0, is
-subclasses): a request asking for one the engine lacks is refused, naming the option.
+checks that it runs the core alone), else the composites. A request asking for a chapter the
+engine was built without (logprobs without max_logprobs, ...) is refused, naming the option.
 """
 from dataclasses import dataclass
 
 from nanoserve import async_llm, llm
+from nanoserve.beam_search.scheduler import (
+    BeamEngineCore,
+    BeamExecutor,
+    BeamInputBuilder,
+    BeamScheduler,
+    BeamSchedulerOutput,
+)
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
@@ -21,7 +26,6 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.model_runner import ModelRunner
 from nanoserve.engine.output_processor import RequestState
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.kv_offload import (
     HostTierBlockManager,
@@ -41,6 +45,7 @@ from nanoserve.logprobs import (
     LogprobsBlockManager,
     LogprobsEngineCore,
     LogprobsInputBuilder,
+    LogprobsModelInput,
     LogprobsModelRunner,
 )
 from nanoserve.lora.engine import LoRAEngineCore, LoRAExecutor, LoRAModelRunner, LoRAScheduler
@@ -48,7 +53,7 @@ from nanoserve.lora_request import LoRARequest
 from nanoserve.outputs import RequestOutput
 from nanoserve.parallel.executor import MultiprocExecutor
 from nanoserve.parallel.torchrun import launched_by_torchrun
-from nanoserve.persistent_batch import InputBatch
+from nanoserve.persistent_batch import BatchModelInput, InputBatch
 from nanoserve.sampling_params import RequestOutputKind
 from nanoserve.scheduling.async_scheduling import AsyncScheduler, BatchQueueEngineCore
 from nanoserve.scheduling.priority import PriorityEngineCore, PriorityScheduler
@@ -72,14 +77,17 @@ from nanoserve.structured_output.manager import (
 
 # ---- the composites: each part's chapters, in the order their overrides run ----------------------
 @dataclass
-class ChaptersSchedulerOutput(SpecDecodeSchedulerOutput, KVTransferSchedulerOutput,
-                              HostTierSchedulerOutput, SwapSchedulerOutput, SchedulerOutput):
+class ChaptersSchedulerOutput(BeamSchedulerOutput, SpecDecodeSchedulerOutput,
+                              KVTransferSchedulerOutput, HostTierSchedulerOutput,
+                              SwapSchedulerOutput, SchedulerOutput):
     """The plan with every chapter's fields."""
 
 
-class ChaptersScheduler(SpecDecodeScheduler, StructuredOutputsScheduler, KVTransferScheduler,
-                        HostTierScheduler, AsyncScheduler, PriorityScheduler, SwapScheduler,
-                        LoRAScheduler, Scheduler):
+class ChaptersScheduler(SpecDecodeScheduler, BeamScheduler, StructuredOutputsScheduler,
+                        KVTransferScheduler, HostTierScheduler, AsyncScheduler, PriorityScheduler,
+                        SwapScheduler, LoRAScheduler, Scheduler):
+    """(Beam search's after speculative decoding's: it drops the drafts proposed for a beam.)"""
+
     output_class = ChaptersSchedulerOutput
 
     def _preempt_for_priority(self, out: SchedulerOutput) -> None:
@@ -108,8 +116,13 @@ class ChaptersWindowBlockManager(LogprobsBlockManager, SlidingWindowBlockManager
     logprobs' (the host tier and disaggregated prefill refuse one: window_block_manager)."""
 
 
-class ChaptersInputBuilder(LogprobsInputBuilder, InputBatch):
-    pass
+@dataclass
+class ChaptersModelInput(LogprobsModelInput, BatchModelInput):
+    """The batch with every chapter's fields."""
+
+
+class ChaptersInputBuilder(BeamInputBuilder, LogprobsInputBuilder, InputBatch):
+    input_class = ChaptersModelInput
 
 
 class ChaptersModelRunner(LogprobsModelRunner, SpecDecodeModelRunner, LoRAModelRunner,
@@ -118,13 +131,14 @@ class ChaptersModelRunner(LogprobsModelRunner, SpecDecodeModelRunner, LoRAModelR
 
 
 class ChaptersExecutor(SpecDecodeExecutor, KVTransferExecutor, HostTierExecutor, SwapExecutor,
-                       LoRAExecutor, MultiprocExecutor):
-    pass
+                       LoRAExecutor, MultiprocExecutor, BeamExecutor):
+    """(Beam search's after the ranks': with pipeline stages those receive the logits it reads.)"""
 
 
-class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, LogprobsEngineCore,
-                         SpecDecodeEngineCore, StructuredOutputsEngineCore, KVTransferEngineCore,
-                         HostTierEngineCore, PriorityEngineCore, BatchQueueEngineCore):
+class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, BeamEngineCore,
+                         LogprobsEngineCore, SpecDecodeEngineCore, StructuredOutputsEngineCore,
+                         KVTransferEngineCore, HostTierEngineCore, PriorityEngineCore,
+                         BatchQueueEngineCore):
     """(The records' core records a step once every chapter after it took it in; LoRA's comes
     first so that it forgets an ended request's adapter only once the step is recorded.)"""
 
@@ -152,14 +166,14 @@ def asks_for_chapters(config: Config) -> bool:
 
 def build_engine(config: Config) -> EngineCore:
     """The engine the config asks for: the core's classes, or the chapters' composites."""
-    seams, block_manager_class = Seams(), BlockManager
+    block_manager_class = BlockManager
     if not asks_for_chapters(config):
-        engine = EngineCore(config, seams)
+        engine = EngineCore(config)
     else:  # (the window's block manager frees blocks behind the window: sliding_window/)
         block_manager_class = (window_block_manager(config, ChaptersWindowBlockManager)
                                or ChaptersBlockManager)
         engine = ChaptersEngineCore(
-            config, seams, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
+            config, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
             scheduler_class=ChaptersScheduler, input_builder_class=ChaptersInputBuilder,
             model_runner_class=ChaptersModelRunner)
     try:
@@ -168,31 +182,19 @@ def build_engine(config: Config) -> EngineCore:
         if config.scheduler_config.preemption_mode == "swap":
             # the swap pool, in the device pool's class
             plug_in_swap(engine, block_manager_class)
-        plug_in_chapters(engine)
     except BaseException:
         engine.shutdown()
         raise
     return engine
 
 
-def plug_in_chapters(engine: EngineCore) -> None:
-    """The chapters the config asks for, once the engine is built, and those a request may ask
-    for."""
-    config = engine.config
-    if config.beam_search_config is not None:  # beam search: beam_search/
-        from nanoserve.beam_search.scheduler import BeamScheduler
-
-        BeamScheduler.plug_in(engine)
-
-
-def beam_search_feature(engine: EngineCore):
-    """The engine's BeamScheduler, plugged in with enable_beam_search=True; without it, a ValueError
-    naming that option, before anything is queued."""
-    beams = engine.seams.features.get("beam_search")
-    if beams is None:
+def beam_search_feature(engine: EngineCore) -> BeamEngineCore:
+    """The engine, built with enable_beam_search=True; without it, a ValueError naming that option,
+    before anything is queued (BeamEngineCore.check_beam_request)."""
+    if not isinstance(engine, BeamEngineCore) or engine.beam_search_config is None:
         raise ValueError("beam search: this engine was built without it; pass "
                          "LLM(..., enable_beam_search=True)")
-    return beams
+    return engine
 
 
 class LLM(llm.LLM):
@@ -234,10 +236,10 @@ class LLM(llm.LLM):
         token_ids = [llm.prompt_token_ids(self.tokenizer, p) for p in prompts]
         beams = beam_search_feature(self.engine)
         for ids in token_ids:  # all checked before any request is queued
-            beams.check_request(ids, params)
-        return self._add_and_run(prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
-                                 lambda request_id, i: beams.add_request(request_id, token_ids[i],
-                                                                         params))
+            beams.check_beam_request(ids, params)
+        return self._add_and_run(
+            prompts, token_ids, [params.beam_width] * len(prompts), use_tqdm,
+            lambda request_id, i: beams.add_beam_request(request_id, token_ids[i], params))
 
 
 class AsyncLLM(async_llm.AsyncLLM):
@@ -251,15 +253,17 @@ class AsyncLLM(async_llm.AsyncLLM):
         token_ids = llm.prompt_token_ids(self.tokenizer, prompt)
         request_id = str(next(self.request_ids)) if request_id is None else request_id
         beams = beam_search_feature(self.engine_core)
-        beams.check_request(token_ids, params)
+        beams.check_beam_request(token_ids, params)
         state = RequestState(request_id, llm.prompt_text(prompt), token_ids,
                              RequestOutputKind.FINAL_ONLY, params.beam_width)
-        add = lambda: beams.add_request(request_id, token_ids, params)  # noqa: E731 (runs in the engine thread)
+
+        def add() -> None:  # (runs in the engine thread)
+            beams.add_beam_request(request_id, token_ids, params)
         async for output in self._stream(state, ("add", request_id, add)):
             yield output
 
     def check_beam_request(self, prompt_token_ids: list[int], params: BeamSearchParams) -> None:
         """What beam_search would refuse, as a ValueError, before anything is queued (the server
         asks first)."""
-        beam_search_feature(self.engine_core).check_request(prompt_token_ids, params)
+        beam_search_feature(self.engine_core).check_beam_request(prompt_token_ids, params)
 

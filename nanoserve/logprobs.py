@@ -10,7 +10,7 @@ subclass of each core class it changes, each inert unless the config has a logpr
 - LogprobsBlockManager: a prompt_logprobs request computes its whole prompt (vLLM V1): cached
   tokens would get no logits.
 """
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,8 @@ class LogprobsModelInput(ModelInput):
 
 
 class LogprobsInputBuilder(InputBuilder):
+    input_class = LogprobsModelInput
+
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """The core's batch; then, for requests with prompt_logprobs, the batch rows whose logits
         score a prompt token (the row of position p scores token p + 1) join its logits rows, and
@@ -61,8 +63,8 @@ class LogprobsInputBuilder(InputBuilder):
         if prompt_rows:
             inputs.logits_rows = torch.cat((inputs.logits_rows,
                                             self._tensor(prompt_rows, torch.int64)))
-        return LogprobsModelInput(**{f.name: getattr(inputs, f.name) for f in fields(inputs)},
-                                  logprobs_places=places)
+        inputs.logprobs_places = places
+        return inputs
 
 
 class LogprobsModelRunner(ModelRunner):

@@ -4,20 +4,19 @@ writes only what changed since (the tokens sampled, the blocks added) and gather
 from the rows with a few numpy operations, where the core's InputBuilder.flatten loops in Python
 over every token of the batch (benchmarks/input_batch_host.py). A performance chapter: InputBatch is
 the core's InputBuilder with its own `flatten`; nanoserve/chapters.py builds it on CUDA and always
-with async scheduling, whose placeholders it writes (extras["placeholders"]: (batch row, the
-sequence whose token it awaits)).
+with async scheduling, whose placeholders it writes (BatchModelInput.placeholders).
 
 A sequence's token ids only grow while it is scheduled (a stop string cuts them as it finishes); its
 block table is rewritten when it may have changed otherwise: a new list (preemption, swapping, a
 fork, rejected drafts), a shorter one, or a step with copy-on-write copies (the last block replaced
 in place).
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from nanoserve.config import Config
-from nanoserve.engine.model_runner import PARAMS, InputBuilder, StepArrays
+from nanoserve.engine.model_runner import PARAMS, InputBuilder, ModelInput, StepArrays
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
 
@@ -35,6 +34,14 @@ def grown(array: np.ndarray, rows: int, cols: int, fill) -> np.ndarray:
 
 
 @dataclass
+class BatchModelInput(ModelInput):
+    """The batch, with the placeholders of async scheduling: (flat batch row, the sequence whose
+    token the previous step is sampling), filled in on the device before the forward."""
+
+    placeholders: list[tuple[int, int]] = field(default_factory=list)
+
+
+@dataclass
 class InputBatch(InputBuilder):
     """The InputBuilder that keeps the rows of the sequences the last steps scheduled; a row is
     reused once its sequence is gone. On CPU without async scheduling (persistent False) it is the
@@ -42,15 +49,19 @@ class InputBatch(InputBuilder):
 
     persistent: bool = True
 
+    input_class = BatchModelInput
+
     @classmethod
-    def from_config(cls, config: Config, **fields) -> "InputBatch":
+    def from_config(cls, config: Config) -> "InputBatch":
+        builder = super().from_config(config)
         # Where host time matters (CUDA), and for async scheduling, whose placeholders its rows
         # hold.
-        fields.setdefault("persistent", config.device.startswith("cuda")
-                          or config.scheduler_config.async_scheduling)
-        return super().from_config(config, **fields)
+        builder.persistent = (config.device.startswith("cuda")
+                              or config.scheduler_config.async_scheduling)
+        return builder
 
     def __post_init__(self) -> None:
+        self.placeholders: list[tuple[int, int]] = []  # the step being flattened's
         self.row_of: dict[Sequence, int] = {}
         # the sequences of the step being flattened keep their rows
         self.step_seqs: list[Sequence] = []
@@ -64,6 +75,13 @@ class InputBatch(InputBuilder):
         # as given.
         self.params = np.zeros((0, len(PARAMS)), np.float64)
         self.free_rows: list[int] = []
+
+    def prepare_inputs(self, out: SchedulerOutput) -> BatchModelInput | None:
+        self.placeholders = []
+        inputs = super().prepare_inputs(out)  # (flatten finds the placeholders)
+        if inputs is not None:
+            inputs.placeholders = self.placeholders
+        return inputs
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """Bring the rows of out's sequences up to date, then gather the step's inputs from them
@@ -86,12 +104,13 @@ class InputBatch(InputBuilder):
         # async scheduling: filled in on the device
         placeholders = np.flatnonzero(positions >= known[owner])
         input_ids[placeholders] = 0
+        self.placeholders = [(row, seqs[i].seq_id)
+                             for row, i in zip(placeholders.tolist(), owner[placeholders].tolist())]
         blocks = self.block_table[token_rows, positions // bs].astype(np.int64)
         slot_mapping = blocks * bs + positions % bs
         # Sampling rows: a sequence's newest token, after its drafts' rows; n > 1: once more per
-        # fork. (Nothing is drawn for raw_logits: a beam's row is the beam search's, at the
-        # extra_logits_rows seam.)
-        drawn = np.array([row.do_sample and not row.seq.raw_logits for row in out.rows])
+        # fork.
+        drawn = np.array([out.draws(row) for row in out.rows])
         counts = drawn * (1 + num_drafts + np.array([len(row.forks) for row in out.rows]))
         sampler = np.repeat(np.arange(n), counts)
         j = np.arange(len(sampler)) - (np.cumsum(counts) - counts)[sampler]
@@ -101,10 +120,7 @@ class InputBatch(InputBuilder):
             input_ids=input_ids, positions=positions, slot_mapping=slot_mapping,
             block_tables=self.block_table[rows, : np.array(self.num_blocks)[rows].max()],
             q_lens=q_lens, context_lens=starts + q_lens, logits_rows=logits_rows.tolist(),
-            params={name: params[:, i] for i, name in enumerate(PARAMS)},
-            extras={"placeholders": [(row, out.seqs[i].seq_id)
-                                     for row, i in zip(placeholders.tolist(),
-                                                                                  owner[placeholders].tolist())]})
+            params={name: params[:, i] for i, name in enumerate(PARAMS)})
 
     def _sync(self, seq: Sequence, rewrite_blocks: bool) -> int:
         """seq's row, with the tokens and blocks seq gained since its last step written into it."""

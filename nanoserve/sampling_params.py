@@ -5,7 +5,7 @@ from enum import Enum
 
 from nanoserve.structured_outputs import StructuredOutputsParams
 
-# Request options a feature serves (engine/seams.py request_checks), and how to plug it in: a plain
+# Request options a chapter serves (its EngineCore.check_option), and how to turn it on: a plain
 # engine refuses a request that sets one.
 FEATURE_OPTIONS = {"priority": "it needs scheduling_policy='priority'",
                    "lora_request": "pass enable_lora=True",

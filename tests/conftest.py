@@ -206,15 +206,13 @@ def start_server(args: list[str], log: Path, env: dict | None = None, module: st
         time.sleep(0.2)
 
 
-def make_scheduler(config, block_manager, host_block_manager=None, seams=None):
+def make_scheduler(config, block_manager, host_block_manager=None):
     """The scheduler an engine with `config` has (the core's, or with the swap, priority and speculative
     decoding chapters: nanoserve/chapters.py), over these pools."""
     from nanoserve.chapters import ChaptersScheduler
     from nanoserve.engine.block_manager import BlockManager
-    from nanoserve.engine.seams import Seams
 
-    seams = Seams() if seams is None else seams
-    scheduler = ChaptersScheduler(config, block_manager, seams)
+    scheduler = ChaptersScheduler(config, block_manager)
     if config.scheduler_config.preemption_mode == "swap":
         scheduler.host_block_manager = host_block_manager or BlockManager(0, config.block_size, False)
     return scheduler

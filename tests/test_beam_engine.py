@@ -74,7 +74,7 @@ def test_block_books(tiny_models):
     plans, schedule = [], engine.scheduler.schedule
     engine.scheduler.schedule = lambda: plans.append(schedule()) or plans[-1]  # to read each step's copies
     params = BeamSearchParams(beam_width=4, max_tokens=12, ignore_eos=True)
-    beam_search_feature(engine).add_request("r", PROMPTS[0], params)
+    beam_search_feature(engine).add_beam_request("r", PROMPTS[0], params)
     saving = []
     while engine.has_unfinished_requests():
         outputs = engine.step()
@@ -98,7 +98,7 @@ def test_beam_rows_skip_the_sampler(tiny_models):
     greedy_alone = llm.generate([PROMPTS[1]], greedy, use_tqdm=False)[0].outputs[0].token_ids
     rows = []
     llm.engine.model_runner.sampler.register_forward_pre_hook(lambda _, args: rows.append(len(args[0])))
-    beam_search_feature(llm.engine).add_request("beams", PROMPTS[0], params)
+    beam_search_feature(llm.engine).add_beam_request("beams", PROMPTS[0], params)
     llm.engine.add_request("greedy", PROMPTS[1], greedy)
     tokens = {}
     while llm.engine.has_unfinished_requests():
@@ -182,7 +182,7 @@ def test_an_engine_built_without_beam_search_refuses_it(tiny_models):
     options, params = {**OPTIONS, "enable_beam_search": False}, BeamSearchParams(beam_width=2, max_tokens=3)
     message = r"^beam search: this engine was built without it; pass LLM\(\.\.\., enable_beam_search=True\)$"
     llm = LLM(tiny_models["qwen3"], **options)
-    assert "beam_search" not in llm.engine.seams.features and not llm.engine.seams.after_step
+    assert getattr(llm.engine, "beam_search_config", None) is None
     with pytest.raises(ValueError, match=message):
         llm.beam_search(PROMPTS, params, use_tqdm=False)
     assert not llm.engine.requests and llm.engine.scheduler.is_finished()

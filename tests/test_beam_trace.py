@@ -18,7 +18,8 @@ PROMPT = [5, 17, 300, 42, 9, 101]  # 6 tokens: one full block and a partly fille
 def test_records_agree_with_the_block_manager(tiny_models, tmp_path):
     llm = LLM(tiny_models["qwen3"], **OPTIONS)
     engine, bm = llm.engine, llm.engine.block_manager
-    beam_search_feature(engine).add_request("r", PROMPT, BeamSearchParams(beam_width=3, max_tokens=9, ignore_eos=True))
+    params = BeamSearchParams(beam_width=3, max_tokens=9, ignore_eos=True)
+    beam_search_feature(engine).add_beam_request("r", PROMPT, params)
     while engine.has_unfinished_requests():
         engine.step()
         rec = llm.trace[-1]

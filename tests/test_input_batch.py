@@ -9,8 +9,8 @@ from test_scheduling_random import next_token, random_case
 
 from conftest import make_scheduler
 from nanoserve import LLM
-from nanoserve.beam_search.scheduler import beam_rows
-from nanoserve.chapters import ChaptersInputBuilder
+from nanoserve.beam_search.scheduler import BeamSchedulerOutput
+from nanoserve.chapters import ChaptersInputBuilder, ChaptersSchedulerOutput
 from nanoserve.engine.model_runner import InputBuilder
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.engine.sequence import Sequence
@@ -24,9 +24,9 @@ BS, VOCAB, EOS = 4, 100, 2
 BUILDERS = ["plain", "persistent"]
 
 
-def builder(kind: str, block_size: int = BS) -> InputBuilder:
-    """The core's InputBuilder, with its plain loops, or the persistent batch's subclass of it."""
-    cls = InputBatch if kind == "persistent" else InputBuilder
+def builder(kind: str, block_size: int = BS, cls: type[InputBuilder] | None = None) -> InputBuilder:
+    """The core's InputBuilder, with its plain loops, or the persistent batch's subclass of it (or cls)."""
+    cls = cls or (InputBatch if kind == "persistent" else InputBuilder)
     return cls(block_size=block_size, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
 
 
@@ -36,9 +36,9 @@ def make(seq_id: int, prompt: list[int], block_table: list[int], **params) -> Se
     return seq
 
 
-def plan(*rows: tuple[Sequence, int]) -> SchedulerOutput:
+def plan(*rows: tuple[Sequence, int], out: SchedulerOutput | None = None) -> SchedulerOutput:
     """What Scheduler.schedule does with its picks: add each, then count the plan as done."""
-    out = SchedulerOutput()
+    out = SchedulerOutput() if out is None else out
     for seq, num_tokens in rows:
         out.add(seq, num_tokens)
     for row in out.rows:
@@ -83,7 +83,7 @@ def test_a_mixed_batch_becomes_exactly_these_inputs(kind):
     assert inputs.logits_rows.tolist() == cut([5, 5, 6, 11])  # a and its fork, b, d; c's chunk samples nothing
     assert inputs.sample_seq_ids == cut([0, 1, 2, 4])
     # d's row 11 awaits the token seq 4 is still sampling
-    assert inputs.extras == ({"placeholders": [(11, 4)]} if with_d else {})
+    assert getattr(inputs, "placeholders", []) == ([(11, 4)] if with_d else [])  # (the persistent batch's field)
 
     sampling = inputs.sampling
     assert sampling.temperatures.tolist() == cut([0.5, 0.5, 0.0, 0.0])
@@ -104,7 +104,7 @@ def test_options_no_row_uses_are_none_and_everyone_preempted_is_no_batch(kind):
     # the logprobs chapter's subclass (nanoserve/logprobs.py), on the core's builder or in the composite
     cls = ChaptersInputBuilder if kind == "persistent" else LogprobsInputBuilder
     b = cls(block_size=BS, vocab_size=VOCAB, eos_token_ids=[EOS], device=torch.device("cpu"))
-    inputs = b.prepare_inputs(plan((seq, 3)))
+    inputs = b.prepare_inputs(plan((seq, 3), out=ChaptersSchedulerOutput()))
     s = inputs.sampling
     assert (s.temperatures, s.top_ks, s.top_ps, s.min_ps, s.penalties, s.min_tokens_mask) == (None,) * 6
     # logits rows: the sampled row first, then the prompt rows (position p scores token p + 1)
@@ -124,7 +124,7 @@ def as_lists(inputs) -> dict:
         tensors.update(vars(s.penalties))
     lists = {name: None if t is None else (t.dtype, t.tolist()) for name, t in tensors.items()}
     return lists | dict(max_seqlen=(m.max_seqlen_q, m.max_seqlen_k), sample_seq_ids=inputs.sample_seq_ids,
-                        placeholders=inputs.extras.get("placeholders", []))
+                        placeholders=getattr(inputs, "placeholders", []))
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -192,20 +192,20 @@ def test_a_tiny_temperature_still_counts_as_used(kind):
 @pytest.mark.parametrize("kind", BUILDERS)
 def test_lookahead_tokens_are_inputs_and_each_gets_a_sampling_row(kind):
     # a verifies 2 drafts after its newest token (rows 2, 3, 4: 1 + k sampling rows); b's request picks its own
-    # tokens (raw_logits: nothing drawn), its row after the sampled ones, where the beam search's seam puts it.
+    # tokens (a beam: nothing drawn), its row after the sampled ones, where the beam search's builder puts it.
     a = make(0, [10, 11, 12], [3, 6], temperature=0, presence_penalty=0.5)
     a.append_token(13)
     a.num_computed_tokens, a.spec_token_ids = 3, [14, 15]
     b = make(1, [20, 21], [5], temperature=0)
-    b.raw_logits = True
-    built = builder(kind)
-    built.extra_logits_rows["beam_search"] = beam_rows  # the beam search chapter's seam (beam_search/scheduler.py)
-    out = plan((a, 3), (b, 2))
+    # the beam search chapter's builder (beam_search/scheduler.py), over the core's or the persistent batch
+    built = builder(kind, cls=ChaptersInputBuilder)
+    built.persistent = kind == "persistent"
+    out = plan((a, 3), (b, 2), out=BeamSchedulerOutput(beam_seq_ids={1}))
     inputs = built.prepare_inputs(out)
     assert inputs.input_ids.tolist() == [13, 14, 15, 20, 21]
     assert inputs.positions.tolist() == [3, 4, 5, 0, 1]
     assert inputs.meta.slot_mapping.tolist() == [15, 24, 25, 20, 21]
-    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and inputs.extras["beam_search"] == (out, [3])
+    assert inputs.logits_rows.tolist() == [0, 1, 2, 4] and out.beam_logits_rows == [3]
     assert inputs.sample_seq_ids == [0, 0, 0] and inputs.spec_decode_tokens == {0: [14, 15]}
     # row (a, j) counts a's first j drafts as output (penalties)
     assert inputs.sampling.penalties.output_token_ids.tolist() == [[13, VOCAB, VOCAB], [13, 14, VOCAB], [13, 14, 15]]

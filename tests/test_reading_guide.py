@@ -104,13 +104,14 @@ def test_a_chapter_runs_when_its_option_is_on(tiny_models, options, chapter):
 
 
 def test_the_check_can_fail(converted):
-    """A feature plugged into a plain engine's after_step seam shows up in the trace."""
+    """A chapter's code run by a plain engine's step shows up in the trace."""
     from nanoserve.spec_decode.proposer import propose_drafts
     from nanoserve.speculative_config import SpeculativeConfig
 
     spec = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 1, "prompt_lookup_max": 2})
     llm = LLM(str(converted[1]))
-    llm.engine.seams.after_step.append(lambda out, updated: propose_drafts([], spec) or [])
+    step = llm.engine.step
+    llm.engine.step = lambda: propose_drafts([], spec) or step()
     ran = files_run(lambda: llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False))
     assert "nanoserve/spec_decode/proposer.py" in ran and set(ran) != guide_core_files()
 
@@ -128,43 +129,33 @@ def test_the_side_by_side_names_the_traced_files(converted):
 
 
 def chapter_pages(readme: str) -> dict[str, tuple[list[tuple[str, str]], list[str], list[str]]]:
-    """README's chapter pages (#### headings after "### The seams, and the chapters"): title -> (the subclasses it
-    names, each with the core class it subclasses; the seams it names; the files its "Files:" sentence names)."""
-    part = readme.split("### The seams, and the chapters", 1)[1].split("\n## ", 1)[0]
+    """README's chapter pages (#### headings after "### The chapters"): title -> (the subclasses it names, each
+    with the core class it subclasses; the files its "Files:" sentence names)."""
+    part = readme.split("### The chapters", 1)[1].split("\n## ", 1)[0]
     pages = {}
     for page in part.split("\n#### ")[1:]:
         title, body = page.split("\n", 1)
-        subclasses = re.search(r"Subclasses: (.*?)\. (?:Seams|Files):", body, re.S)
-        seams = re.search(r"Seams: (.*?)\. Files:", body, re.S)
+        subclasses = re.search(r"Subclasses: (.*?)\. Files:", body, re.S)
         files = re.search(r"Files:\s(.*?)\.(?:\n|$)", body, re.S)
-        if (seams or subclasses) and files:
-            pages[title] = (re.findall(r"`(\w+)` of `(\w+)`", subclasses[1]) if subclasses else [],
-                            re.findall(r"`(\w+)`", seams[1]) if seams else [],
+        if subclasses and files:
+            pages[title] = (re.findall(r"`(\w+)` of `(\w+)`", subclasses[1]),
                             re.findall(r"`(nanoserve/[\w/]+\.py)`", files[1]))
     return pages
 
 
-def test_each_chapter_page_names_real_subclasses_seams_and_its_files():
-    from dataclasses import fields
-
-    from nanoserve.engine.seams import Seams
-
+def test_each_chapter_page_names_real_subclasses_and_its_files():
     pages = chapter_pages((REPO / "README.md").read_text())
     assert len(pages) >= 10
-    seam_names = {f.name for f in fields(Seams)}
-    plugging = (REPO / "nanoserve" / "chapters.py").read_text()
-    for title, (subclasses, seams, files) in pages.items():
-        assert set(seams) <= seam_names, (title, set(seams) - seam_names)
+    for title, (subclasses, files) in pages.items():
+        assert subclasses, title
         assert files and all((REPO / f).is_file() for f in files), (title, files)
         code = "".join((REPO / f).read_text() for f in files)
         for subclass, base in subclasses:  # defined in the chapter's files, as a subclass of that core class
             assert re.search(rf"^class {subclass}\([^)]*\b{base}\b", code, re.M), (title, subclass, base)
-        code += plugging
-        assert all(name in code for name in seams), (title, [name for name in seams if name not in code])
         assert not set(files) & guide_core_files(), title  # a chapter's files are none of the core's
 
 
 def test_the_page_check_can_fail():
-    page = ("### The seams, and the chapters\n\n#### X\n\nSubclasses: `Y` of `Z`. Seams: `no_such_seam`. Files: "
+    page = ("### The chapters\n\n#### X\n\nSubclasses: `Y` of `Z`. Files: "
             "`nanoserve/llm.py`,\n`nanoserve/no_such.py` (a note).\nWhat it does, `nanoserve/other.py`.\n")
-    assert chapter_pages(page) == {"X": ([("Y", "Z")], ["no_such_seam"], ["nanoserve/llm.py", "nanoserve/no_such.py"])}
+    assert chapter_pages(page) == {"X": ([("Y", "Z")], ["nanoserve/llm.py", "nanoserve/no_such.py"])}

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nanoserve import LLM, SamplingParams
+from nanoserve.engine.core import EngineCore
 from nanoserve.layers.sampler import Sampler
 from nanoserve.layers.sampling_metadata import SamplingMetadata
 from nanoserve.structured_outputs import StructuredOutputsParams
@@ -235,7 +236,7 @@ def test_an_engine_built_without_structured_outputs_refuses_them(converted):
     """The chapter is switched on by the config: without enable_structured_outputs a plain engine has none
     of it, and a structured request is refused naming the option, before any request is queued."""
     llm = LLM(str(converted[1]), max_model_len=64, num_kvcache_blocks=8)
-    assert "structured_outputs" not in llm.engine.seams.features and not llm.engine.seams.logits_processors
+    assert type(llm.engine) is EngineCore and not llm.engine.input_builder.logits_processors
     with pytest.raises(ValueError, match="^structured_outputs: this engine has no feature plugged in for it; "
                        "pass enable_structured_outputs=True$"):
         llm.generate(["a", "b"], [SamplingParams(max_tokens=2), structured("choice", ["a"], max_tokens=4)],

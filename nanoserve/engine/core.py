@@ -9,7 +9,6 @@ from nanoserve.engine.block_manager import BlockManager
 from nanoserve.engine.model_runner import Executor, InputBuilder, ModelRunner
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Request, Sequence
 from nanoserve.lora_request import LoRARequest
 from nanoserve.sampling_params import FEATURE_OPTIONS, SamplingParams
@@ -18,27 +17,24 @@ from nanoserve.sampling_params import FEATURE_OPTIONS, SamplingParams
 class EngineCore:
     """The engine (vLLM V1's EngineCore): owns the requests, the scheduler, the KV blocks and the
     executor (the model). `step()` = schedule -> run the model -> update; the offline LLM calls it
-    in a loop, AsyncLLM from a thread. Features plug in through `seams` (engine/seams.py), and
-    chapters that change a part of the engine give their subclass of it (nanoserve/chapters.py
-    builds them); without any, this is the whole engine."""
+    in a loop, AsyncLLM from a thread. A chapter is a subclass of each part it changes (this
+    one's too), built by nanoserve/chapters.py; without any, this is the whole engine."""
 
-    def __init__(self, config: Config, seams: Seams | None = None, *,
+    def __init__(self, config: Config, *,
                  executor_class: type[Executor] = Executor,
                  block_manager_class: Callable[..., BlockManager] = BlockManager,
                  scheduler_class: type[Scheduler] = Scheduler,
                  input_builder_class: type[InputBuilder] = InputBuilder,
                  model_runner_class: type[ModelRunner] = ModelRunner):
-        self.config, self.seams = config, Seams() if seams is None else seams
-        self.executor = executor_class(config, self.seams, model_runner_class)
+        self.config = config
+        self.executor = executor_class(config, model_runner_class)
         try:  # a failed start ends the executor's workers and process group now (parallel/)
             self.model_runner = self.executor.model_runner  # rank 0's: the model and its KV cache
-            self.input_builder = input_builder_class.from_config(
-                config, logits_processors=self.seams.logits_processors,
-                extra_logits_rows=self.seams.extra_logits_rows)
+            self.input_builder = input_builder_class.from_config(config)
             self.block_manager = block_manager_class(
                 self.model_runner.num_kvcache_blocks, config.block_size,
                 config.enable_prefix_caching)
-            self.scheduler = scheduler_class(config, self.block_manager, self.seams)
+            self.scheduler = scheduler_class(config, self.block_manager)
             self.tokenizer = (AutoTokenizer.from_pretrained(config.model)
                               if has_tokenizer(config.model) else None)
         except BaseException:
@@ -78,10 +74,8 @@ class EngineCore:
     def check_option(self, name: str, value: object) -> None:
         """A request sets an option a chapter serves (FEATURE_OPTIONS): the core serves none, so it
         refuses it, saying which option of the engine's turns the chapter on."""
-        if name not in self.seams.request_checks:
-            raise ValueError(f"{name}: this engine has no feature plugged in for it; "
-                             f"{FEATURE_OPTIONS[name]}")
-        self.seams.request_checks[name](value)
+        raise ValueError(f"{name}: this engine has no feature plugged in for it; "
+                         f"{FEATURE_OPTIONS[name]}")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     sampling_params: SamplingParams, priority: int = 0,
@@ -90,10 +84,6 @@ class EngineCore:
         request = Request(request_id, prompt_token_ids, sampling_params,
                           block_size=self.config.block_size, seq_ids=self.seq_ids,
                           tokenizer=self.tokenizer)
-        # A feature sets a request up for its option (compiles its grammar, off the step path).
-        for name, set_up in self.seams.request_options.items():
-            if getattr(sampling_params, name) is not None:
-                set_up(request)
         self.add(request)
 
     def add(self, request: Request) -> None:
@@ -112,8 +102,6 @@ class EngineCore:
             return False
         for seq in request.seqs:
             self.scheduler.finish(seq)
-        for observe in self.seams.observers:  # the queues and blocks changed between steps
-            observe(None, [])
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -133,19 +121,14 @@ class EngineCore:
     def _update_from_output(self, out: SchedulerOutput,
                             token_ids: list[int]) -> list[EngineCoreOutput]:
         """Append the sampled tokens (the scheduler finishes sequences on EOS, stop tokens,
-        max_tokens), with the seams before and after; then detokenize them and look for stop
-        strings; drop the requests that are done."""
-        outputs = [output for before in self.seams.before_update for output in before(out)]
+        max_tokens); then detokenize them and look for stop strings; drop the requests that are
+        done."""
         updated = Counter(self.scheduler.postprocess(out, token_ids))  # a sequence once per token
-        outputs += [output for after_step in self.seams.after_step
-                    for output in after_step(out, updated)]
-        outputs += [self._output(self.requests[seq.request_id], seq, n)
-                    for seq, n in updated.items()]
+        outputs = [self._output(self.requests[seq.request_id], seq, n)
+                   for seq, n in updated.items()]
         for request_id in {output.request_id for output in outputs if output.finished}:
             if request_id in self.requests and self.requests[request_id].is_finished:
                 del self.requests[request_id]
-        for observe in self.seams.observers:
-            observe(out, list(updated))
         return outputs
 
     def _output(self, request: Request, seq: Sequence, num_new: int) -> EngineCoreOutput:

@@ -14,7 +14,6 @@ from torch import nn
 from nanoserve.config import Config
 from nanoserve.engine.cuda_graph import CUDAGraphs, profile_num_blocks
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import Sequence
 from nanoserve.layers.attention import Attention, AttentionMetadata
 from nanoserve.layers.sampler import Sampler
@@ -46,15 +45,13 @@ class StepArrays:
     logits_rows: list[int] = field(default_factory=list)  # the row each sampling row samples from
     # per name of PARAMS, a value per sampling row (None: read them here)
     params: dict[str, list] | None = None
-    # a chapter's, for ModelInput.extras (placeholders)
-    extras: dict[str, object] = field(default_factory=dict)
 
 
 @dataclass
 class ModelInput:
     """One step's batch as tensors. Rows of logits_rows: first one per sequence that samples (a
-    request's n > 1 forks repeat its row), in `sample_seq_ids` order; then those features add (the
-    extra_logits_rows seam)."""
+    request's n > 1 forks repeat its row), in `sample_seq_ids` order; then those a chapter adds.
+    (A chapter's builder makes its subclass, with its own fields: InputBuilder.input_class.)"""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -63,9 +60,6 @@ class ModelInput:
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
     spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows verified
-    # A feature's state: for its logits rows (extra_logits_rows); async scheduling's placeholders
-    # (persistent_batch.py).
-    extras: dict[str, object] = field(default_factory=dict)
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -83,14 +77,14 @@ class InputBuilder:
     vocab_size: int
     eos_token_ids: list[int]
     device: torch.device
-    # The seams (engine/seams.py).
+    # vLLM's interface for what rules tokens out (a grammar's mask): each prepares its step's state
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
-    extra_logits_rows: dict[str, Callable] = field(default_factory=dict)
+    input_class = ModelInput  # the batch's record (a chapter may add its own fields)
 
     @classmethod
-    def from_config(cls, config: Config, **seams) -> "InputBuilder":
+    def from_config(cls, config: Config) -> "InputBuilder":
         return cls(config.block_size, config.hf_config.vocab_size, config.eos_token_ids,
-                   torch.device(config.device), **seams)
+                   torch.device(config.device))
 
     def prepare_inputs(self, out: SchedulerOutput) -> ModelInput | None:
         """The tokens each sequence computes this step as one batch, with their cache slots, and the
@@ -102,21 +96,16 @@ class InputBuilder:
                                        step.context_lens)
         # Who samples: a row per sequence whose step reaches its end, 1 + k with k lookahead tokens,
         # one per fork.
-        rows = [(s, j) for row in out.rows if row.do_sample and not row.seq.raw_logits
+        rows = [(s, j) for row in out.rows if out.draws(row)
                 for s, j in [(row.seq, j) for j in range(len(row.seq.spec_token_ids) + 1)]
                 + [(f, 0) for f in row.forks]]
-        # the seam: the prompt logprobs', the beams' rows
-        for name, extra_rows in self.extra_logits_rows.items():
-            more, step.extras[name] = extra_rows(out, rows, len(step.logits_rows))
-            step.logits_rows += more
-        return ModelInput(input_ids=self._tensor(step.input_ids, torch.int64),
+        return self.input_class(input_ids=self._tensor(step.input_ids, torch.int64),
                           positions=self._tensor(step.positions, torch.int64),
                           meta=meta, logits_rows=self._tensor(step.logits_rows, torch.int64),
                           sampling=self.prepare_sampling(rows, step.params),
                           sample_seq_ids=[seq.seq_id for seq, _ in rows],
                           spec_decode_tokens={seq.seq_id: list(seq.spec_token_ids)
-                                              for seq, j in rows if j == 0 and seq.spec_token_ids},
-                          extras=step.extras)
+                                              for seq, j in rows if j == 0 and seq.spec_token_ids})
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays: each scheduled token's id, position and cache slot, sequence by
@@ -132,7 +121,7 @@ class InputBuilder:
             step.block_tables.append(seq.block_table)
             step.q_lens.append(row.num_tokens)
             step.context_lens.append(end)
-            if row.do_sample and not seq.raw_logits:  # the newest token's row, each lookahead's
+            if out.draws(row):  # the newest token's row, each lookahead's
                 newest = len(step.input_ids) - 1 - len(seq.spec_token_ids)
                 step.logits_rows += [newest + j for j in range(len(seq.spec_token_ids) + 1)]
                 step.logits_rows += [newest] * len(row.forks)  # one per fork
@@ -222,8 +211,7 @@ class ModelRunner:
     Every rank of a tensor-parallel engine has one (nanoserve/parallel/executor.py starts them and
     sends each step to all)."""
 
-    def __init__(self, config: Config, rank: int = 0, seams: Seams | None = None,
-                 model_class: type | None = None):
+    def __init__(self, config: Config, rank: int = 0, model_class: type | None = None):
         """model_class: a pipeline stage's part of the model instead of the whole."""
         self.config, self.rank, self.block_size = config, rank, config.block_size
         self.device = torch.device(config.device)
@@ -233,7 +221,7 @@ class ModelRunner:
         models = self.load_models(model_class)
         for model in models:  # RMSNorm, SwiGLU and RoPE as config.elementwise_backend says
             use_elementwise_backend(model, config.elementwise_backend)
-        self.sampler, self.seams = Sampler(), Seams() if seams is None else seams
+        self.sampler = Sampler()
         self.attn_layers = [m for model in models for m in model.modules()
                             if isinstance(m, Attention)]
         self.cuda_graphs: CUDAGraphs | None = None
@@ -312,14 +300,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """A token id per sampling row, as a device tensor."""
-        sampled = self.draw(logits, inputs)
-        for after_sample in self.seams.after_sample:  # the seam: logprobs asked for (logprobs.py)
-            after_sample(self, logits, sampled, inputs)
-        return sampled
-
-    def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
-        """The sampler's draw for each sampling row."""
+        """The sampler's draw for each sampling row: a token id each, as a device tensor."""
         num_rows = len(inputs.sample_seq_ids)
         newest = (inputs.input_ids[inputs.logits_rows[:num_rows]] if inputs.sampling.penalties
                   else None)
@@ -336,10 +317,9 @@ class Executor:
     The parallel chapter's (parallel/executor.py) runs it on every rank: it overrides `call` (to
     every worker too) and `finish`."""
 
-    def __init__(self, config: Config, seams: Seams,
-                 model_runner_class: type[ModelRunner] = ModelRunner):
-        self.config, self.seams = config, seams
-        self.model_runner = model_runner_class(config, seams=seams)
+    def __init__(self, config: Config, model_runner_class: type[ModelRunner] = ModelRunner):
+        self.config = config
+        self.model_runner = model_runner_class(config)
 
     def execute_model(self, out: SchedulerOutput, inputs: ModelInput | None) -> torch.Tensor:
         """One step: the KV block copies, the forward, sampling. A token id per sampling row, on the
@@ -361,22 +341,15 @@ class Executor:
         that ran and their logits."""
         if inputs is None:  # everyone was preempted
             return None, None
-        # the seam: e.g. async scheduling's placeholders
-        for prepare in self.seams.before_forward:
-            prepare(out, inputs)
         return inputs, self.call("run_model", inputs.input_ids, inputs.positions, inputs.meta,
                                  inputs.logits_rows)
 
     def copy_kv_out(self, out: SchedulerOutput) -> None:
         """Copies that read the device pool into another (a chapter's host pool): none in the
         core."""
-        for move in self.seams.move_kv:
-            move(out, self, "out")
 
     def copy_kv_in(self, out: SchedulerOutput) -> None:
         """Copies that write the device pool: here copy-on-write, a shared block's copy."""
-        for move in self.seams.move_kv:
-            move(out, self, "in")
         if out.blocks_to_copy:
             self.call("copy_blocks", out.blocks_to_copy)
 

@@ -4,11 +4,8 @@ preemption by recompute) with vLLM V1's token budget (enable_chunked_prefill); s
 from dataclasses import dataclass, field
 from itertools import islice
 
-import torch
-
 from nanoserve.config import Config
 from nanoserve.engine.block_manager import BlockManager
-from nanoserve.engine.seams import Seams
 from nanoserve.engine.sequence import RequestQueue, Sequence, SequenceStatus, num_seats
 from nanoserve.engine.stats import SchedulerStats
 
@@ -37,12 +34,6 @@ class SchedulerOutput:
     # Block moves, each a pair: copy-on-write copies (source, destination).
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     is_prefill: bool = False  # computes prompt tokens (with chunked prefill: anything but decodes)
-    # What the step's output did, for its record (nanoserve/step_records.py): the logits rows of
-    # sequences with raw_logits (beam search), in order; beam search's forked beams (new beam, its
-    # parent) and dropped ones (without a child, freed).
-    raw_logits: torch.Tensor | None = None
-    forked_beams: list[tuple[int, int]] = field(default_factory=list)
-    dropped_beams: list[int] = field(default_factory=list)
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -65,22 +56,24 @@ class SchedulerOutput:
         """row computes only its newest generated token, no prefill work."""
         return row.num_tokens == 1 and row.start >= row.seq.num_prompt_tokens
 
+    def draws(self, row: ScheduledSequence) -> bool:
+        """Does the sampler draw row's tokens? Every row that samples, in the core (a chapter's
+        request may pick its own from the logits)."""
+        return row.do_sample
+
     def num_sampled_tokens(self, row: ScheduledSequence) -> int:
-        """The tokens the step samples for row: one if it reaches its end, and one per fork
-        (none with raw_logits: the beam search picks them)."""
-        return 0 if row.seq.raw_logits else row.do_sample + len(row.forks)
+        """The tokens the step samples for row: one if it reaches its end, and one per fork."""
+        return self.draws(row) + len(row.forks)
 
 
 class Scheduler:
     output_class = SchedulerOutput  # the plan's record (a chapter may add its own fields)
 
-    def __init__(self, config: Config, block_manager: BlockManager, seams: Seams | None = None):
+    def __init__(self, config: Config, block_manager: BlockManager):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.enable_chunked_prefill = config.enable_chunked_prefill
         self.block_manager, self.eos_token_ids = block_manager, set(config.eos_token_ids)
-        # The engine's seams: admits, sits_out.
-        self.seams = Seams() if seams is None else seams
         self.waiting, self.running = self.new_queue(), self.new_queue()
         self.stats = SchedulerStats()
 
@@ -105,8 +98,6 @@ class Scheduler:
         self.stats.num_steps += 1
         out = self.output_class()
         self._plan(out)
-        for after_schedule in self.seams.after_schedule:  # hooks that add to the plan
-            after_schedule(out)
         self.stats.num_prefill_steps += out.is_prefill
         for row in out.rows:
             row.seq.num_computed_tokens += row.num_tokens
@@ -162,7 +153,7 @@ class Scheduler:
     def can_admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """May waiting seq join the step planned so far (seats aside)? In the core, any may (a
         chapter may hold one back, e.g. LoRA's max_loras adapters a step)."""
-        return all(admits(seq, self, out) for admits in self.seams.admits)
+        return True
 
     def num_free_seats(self) -> int:  # (seats include the forks to come)
         return self.max_num_seqs - sum(map(num_seats, self.running))
@@ -200,7 +191,7 @@ class Scheduler:
     def can_schedule(self, group: list[Sequence]) -> bool:
         """May a running request's sequences compute this step? Always, in the core (a chapter may
         hold a group back, e.g. while a token it needs is in flight)."""
-        return not any(sits_out(group) for sits_out in self.seams.sits_out)
+        return True
 
     def preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         """Make room: seq's request stops running
@@ -224,7 +215,7 @@ class Scheduler:
         return group
 
     def postprocess(self, out: SchedulerOutput, token_ids: list[int]) -> list[Sequence]:
-        """Take a step's tokens in (1 each, n for a forking prompt, none for raw_logits)."""
+        """Take a step's tokens in (1 each, n for a forking prompt, none where none was drawn)."""
         sampled, updated = iter(token_ids), []
         for row in out.rows:
             new_token_ids = list(islice(sampled, out.num_sampled_tokens(row)))

@@ -53,8 +53,6 @@ class Sequence:
         # lookahead tokens the next step verifies (nanoserve/spec_decode/)
         self.spec_token_ids: list[int] = []
         self.finish_reason: str | None = None
-        # its request picks its own tokens from the raw logits (beam search): none drawn
-        self.raw_logits = False
         seed = sampling_params.seed
         self.generator = None if seed is None else torch.Generator().manual_seed(seed + index)
 

@@ -1,9 +1,9 @@
 """Which token comes next, from a row of logits to a token id, in vLLM's order: tokens ruled out,
 penalties, then greedy where temperature is 0, else temperature, min_p, top-k, top-p and a draw,
 each one tensor op over the batch. The engine builds the SamplingMetadata
-(layers/sampling_metadata.py) on the host (engine/model_runner.py). At the seams (engine/seams.py)
-logits processors join `rule_out` (a grammar's mask), and speculative decoding's verification takes
-the place of `draw`."""
+(layers/sampling_metadata.py) on the host (engine/model_runner.py); its logits processors join
+`rule_out` (a grammar's mask). (Speculative decoding's verification takes the place of `draw`:
+SpecDecodeModelRunner.sample.)"""
 import torch
 from torch import nn
 

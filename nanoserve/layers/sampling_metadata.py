@@ -1,6 +1,6 @@
 """What the sampler takes for a step (vLLM's v1/sample/metadata.py): records the engine fills on the
-host (engine/model_runner.py), and the LogitsProcessor a feature plugs in at the seam
-(engine/seams.py)."""
+host (engine/model_runner.py), and the LogitsProcessor interface a chapter's processor has (vLLM's
+logits processors)."""
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -21,7 +21,8 @@ class PenaltyMetadata:
 
 
 class LogitsProcessor(Protocol):
-    """A seam (engine/seams.py): a feature that rules tokens out of the rows the sampler draws from.
+    """vLLM's interface for what rules tokens out of the rows the sampler draws from (InputBuilder.
+    logits_processors: structured outputs' grammar mask).
     Once per step, on the host, `prepare` gets the sampling rows ((sequence, j): its next token
     after j lookahead tokens) and returns its state for them, or None when no row is its; the
     sampler then calls `apply` in order."""

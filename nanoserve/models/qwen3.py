@@ -22,8 +22,8 @@ from nanoserve.layers.rotary_embedding import RotaryEmbedding, rope_theta
 from nanoserve.utils.distributed import tp_rank_size
 
 # part(name, build) -> the model's part `name` ("embed_tokens", "layers.3", "norm", "lm_head"):
-# build() here; a pipeline stage builds only its own (nanoserve/parallel/pipeline.py), a seam of the
-# model's constructor.
+# build() here; a pipeline stage builds only its own (nanoserve/parallel/pipeline.py), through this
+# parameter of the model's constructor.
 Part = Callable[[str, Callable[[], nn.Module]], nn.Module]
 
 

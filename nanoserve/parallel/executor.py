@@ -29,7 +29,6 @@ import torch.multiprocessing as mp
 from nanoserve.config import Config
 from nanoserve.engine.model_runner import Executor, ModelInput, ModelRunner
 from nanoserve.engine.scheduler import SchedulerOutput
-from nanoserve.engine.seams import Seams
 from nanoserve.parallel.pipeline import PipelineStageModel, receive_logits
 from nanoserve.parallel.torchrun import (
     connect_ranks,
@@ -73,12 +72,11 @@ def worker_main(config: Config, rank: int, port: int, conn: Connection,
     run_worker(config, rank, conn, runner_class)
 
 
-def make_runner(config: Config, rank: int, runner_class: type[ModelRunner],
-                seams: Seams | None = None) -> ModelRunner:
+def make_runner(config: Config, rank: int, runner_class: type[ModelRunner]) -> ModelRunner:
     """This rank's ModelRunner (the engine's class: the core's, or the chapters'): with pipeline
     stages, its stage's part of the model."""
     stages = config.parallel_config.pipeline_parallel_size > 1
-    return runner_class(config, rank, seams, PipelineStageModel if stages else None)
+    return runner_class(config, rank, PipelineStageModel if stages else None)
 
 
 def run_worker(config: Config, rank: int, conn: Connection,
@@ -131,8 +129,7 @@ class MultiprocExecutor(Executor):
     its own ModelRunner (`model_runner`); runs each step on all of them; stops them. With one rank
     (P x T = 1, no torchrun) it is the core's Executor."""
 
-    def __init__(self, config: Config, seams: Seams,
-                 model_runner_class: type[ModelRunner] = ModelRunner):
+    def __init__(self, config: Config, model_runner_class: type[ModelRunner] = ModelRunner):
         self.procs: list[mp.Process] = []
         self.conns: list[Connection] = []
         # why this engine cannot run any more, once a step has failed
@@ -147,16 +144,16 @@ class MultiprocExecutor(Executor):
         # the exit code would read None).
         self.reaping = threading.Lock()
         if world_size(config) == 1 and not launched_by_torchrun():
-            super().__init__(config, seams, model_runner_class)
+            super().__init__(config, model_runner_class)
             return
-        self.config, self.seams, self.runner_class = config, seams, model_runner_class
+        self.config, self.runner_class = config, model_runner_class
         self.shutdown = lambda: None
         try:
             if launched_by_torchrun():
                 self._join_torchrun(config)
             else:
                 self._start_workers(config)
-            self.model_runner = make_runner(config, 0, model_runner_class, seams)
+            self.model_runner = make_runner(config, 0, model_runner_class)
         except BaseException as error:
             # A rank died, a collective timed out, a check failed after init_process_group: end the
             # workers (don't leave them waiting for a rank 0 that will never come) and leave the

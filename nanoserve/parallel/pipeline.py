@@ -58,7 +58,7 @@ class Stage:
 
     def part(self, name: str, build: Callable[[], nn.Module]) -> nn.Module:
         """The model's part `name` if this stage holds it, else a Missing placeholder (the model's
-        `part` seam): every layer keeps its slot, so checkpoint names keep their index."""
+        `part` parameter): every layer keeps its slot, so checkpoint names keep their index."""
         if name.startswith("layers."):
             held = self.start <= int(name.split(".")[1]) < self.end
         else:
@@ -119,7 +119,7 @@ def receive_logits(num_rows: int, vocab_size: int, dtype: torch.dtype,
 
 
 class PipelineStageModel(Qwen3ForCausalLM):
-    """One stage's part of the model (built through the core model's `part` seam): its forward
+    """One stage's part of the model (built through the core model's `part` parameter): its forward
     starts from what the previous stage sends, and sends on what the next needs; the last stage's
     logits go to rank 0."""
 

@@ -20,6 +20,7 @@ from nanoserve.engine.model_runner import ModelInput, to_device
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Sequence, num_seats
+from nanoserve.persistent_batch import BatchModelInput
 
 
 class LaunchedStep(Future):
@@ -65,7 +66,7 @@ class AsyncScheduler(Scheduler):
     def needs_newest_token(self, seq: Sequence) -> bool:
         """Is seq's newest token needed to plan its next step? Not by the core; a chapter that plans
         from it says so."""
-        return any(needs(seq) for needs in self.seams.needs_newest_token)
+        return False
 
     def can_admit(self, seq: Sequence, out: SchedulerOutput) -> bool:
         """With P pipeline stages in flight a step admits at most 1/P of the requests (counting this
@@ -82,8 +83,8 @@ class BatchQueueEngineCore(EngineCore):
     (num_batches_in_flight). On CPU or with stages a thread runs the forwards (not with a draft
     model: it reads what planning changes). Without async scheduling it is the core's EngineCore."""
 
-    def __init__(self, config, seams=None, **parts):
-        super().__init__(config, seams, **parts)
+    def __init__(self, config: Config, **parts):
+        super().__init__(config, **parts)
         self.async_scheduling = config.scheduler_config.async_scheduling
         self.batch_queue: deque[tuple[SchedulerOutput, Future]] = deque()
         self.forward_thread = None
@@ -149,7 +150,7 @@ class BatchQueueEngineCore(EngineCore):
         return sampled
 
     @torch.inference_mode()
-    def fill_placeholders(self, inputs: ModelInput) -> None:
+    def fill_placeholders(self, inputs: BatchModelInput) -> None:
         """Before the forward: write the previous step's sampled ids, still on the device, into this
         step's placeholder rows of input_ids. Steps run one at a time, in planning order."""
         prev, self.prev_sampled = self.prev_sampled, None
@@ -159,7 +160,7 @@ class BatchQueueEngineCore(EngineCore):
         # A placeholder the previous step has no token for: that step failed, and so did the
         # request.
         rows = [(row, prev_rows[i])
-                for row, i in inputs.extras.get("placeholders", []) if i in prev_rows]
+                for row, i in inputs.placeholders if i in prev_rows]
         if rows:
             # Pinned and non-blocking, as every input of a step: a blocking copy would hold the host
             # until the step in flight ends, and the GPU would sit idle while this one launches.

@@ -8,6 +8,7 @@ A subclass of each core class it changes, each the core's own unless speculative
 - SpecDecodeExecutor (model_runner.py): runs the draft model before the target's forward;
 - SpecDecodeEngineCore (here): hands that draft pass the engine's InputBuilder.
 """
+from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer
 from nanoserve.spec_decode.model_runner import SpecDecodeExecutor, SpecDecodeModelRunner
@@ -21,8 +22,8 @@ class SpecDecodeEngineCore(EngineCore):
     """The EngineCore whose executor runs a draft model: the draft pass rebuilds the step's inputs
     with the drafts filled in, with this engine's InputBuilder (built after the executor)."""
 
-    def __init__(self, config, seams=None, **parts):
-        super().__init__(config, seams, **parts)
+    def __init__(self, config: Config, **parts):
+        super().__init__(config, **parts)
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":
             self.executor.proposer = DraftModelProposer(self.input_builder)

@@ -41,12 +41,12 @@ class SpecDecodeModelRunner(ModelRunner):
         hidden = self.draft_model(input_ids, positions, meta)
         return self.draft_model.compute_logits(hidden, logits_rows)
 
-    def draw(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
         """The token each sampling row emits, PLACEHOLDER_TOKEN_ID past a request's emitted run:
         1 + k entries for a request with k drafts, one for any other row, in row order
         (SpecDecodeScheduler.accept_tokens reads them so). A step without drafts is a plain draw."""
         if not inputs.spec_decode_tokens:
-            return super().draw(logits, inputs)
+            return super().sample(logits, inputs)
         num_rows, first_rows, drafts, row = len(inputs.sample_seq_ids), [], [], 0
         while row < num_rows:  # a request's 1 + k rows are consecutive
             first_rows.append(row)

@@ -29,9 +29,10 @@ def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig,
             continue
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)
-        # (A beam gets none: its search takes a token a step. A grammar keeps the n-gram drafts it allows; a
-        # draft model's drafts are drawn unmasked, so a grammar-constrained request takes none of them.)
-        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1 and not seq.raw_logits
+        # (A grammar keeps the n-gram drafts it allows; a draft model's drafts are drawn
+        # unmasked, so a grammar-constrained request takes none of them. A beam's are dropped:
+        # beam_search/scheduler.py.)
+        decoding = (seq.num_computed_tokens == len(seq.token_ids) - 1
                     and (ngram is not None or matcher is None))
         if not (enabled and decoding and k):
             seq.spec_token_ids = []
