@@ -256,8 +256,7 @@ class Config:
                              "config.json found in it)")
         draft = self.draft_hf_config = AutoConfig.from_pretrained(path)
         for name, mine, theirs in zip(("vocab_size", "num_key_value_heads", "head_dim"),
-                                      *map(kv_sizes, (draft,
-                                                                                                   self.hf_config))):
+                                      *map(kv_sizes, (draft, self.hf_config))):
             if mine != theirs:
                 raise ValueError(f"speculative_config.model: the draft's {name} ({mine}) differs "
                                  f"from the target's ({theirs}); it must share the tokenizer and "

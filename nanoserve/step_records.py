@@ -13,10 +13,6 @@ from nanoserve.engine.core import EngineCore
 from nanoserve.engine.output_processor import EngineCoreOutput
 from nanoserve.engine.scheduler import Scheduler, SchedulerOutput
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
-from nanoserve.kv_offload import HostTierSchedulerOutput
-from nanoserve.lora.engine import LoRAScheduler
-from nanoserve.scheduling.swap import SwapSchedulerOutput
-from nanoserve.spec_decode.scheduler import SpecDecodeSchedulerOutput
 
 
 @dataclass
@@ -85,11 +81,10 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
                 scheduler: Scheduler) -> StepRecord:
     """Read a step off its plan and what it left: who finished (of the sequences postprocess
     updated), the queues, the KV pool. With async scheduling these are read when the output comes
-    in, the next step planned."""
-    speculating = isinstance(out, SpecDecodeSchedulerOutput)  # speculative_config (spec_decode/)
-    drafts, accepted = ((out.scheduled_spec_decode_tokens, out.num_accepted_tokens) if speculating
-                        else ({}, {}))
-    loras = scheduler.lora_manager if isinstance(scheduler, LoRAScheduler) else None  # enable_lora
+    in, the next step planned. Records are a chapter, so the plan and the scheduler are the
+    composites' (nanoserve/chapters.py), with every chapter's fields, empty where it is off."""
+    drafts, accepted = out.scheduled_spec_decode_tokens, out.num_accepted_tokens  # spec_decode/
+    loras = scheduler.lora_manager  # None without enable_lora
     lora_names = {} if loras is None else {seq.seq_id: lora.lora_name for seq in out.seqs
                                            if (lora := loras.lora_request(seq)) is not None}
     scheduled = [ScheduledRequest(request_id=row.seq.request_id, seq_id=row.seq.seq_id,
@@ -103,11 +98,9 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
     kind = ("idle" if not scheduled else "decode" if all(decodes) else "mixed" if any(decodes)
             else "prefill")
     swapped = [seq.status == SequenceStatus.SWAPPED for seq in out.preempted]
-    swap_ins = out.blocks_to_swap_in if isinstance(out, SwapSchedulerOutput) else []  # (swap.py's)
-    swapped_in_blocks = {device_block for _, device_block in swap_ins}
+    swapped_in_blocks = {device_block for _, device_block in out.blocks_to_swap_in}  # swap.py's
     bm = scheduler.block_manager
     num_host_cached_blocks, num_host_blocks = bm.num_offloaded_blocks()  # (kv_offload/'s host tier)
-    tier_plan = isinstance(out, HostTierSchedulerOutput)  # (kv_offload/'s: the tier's copies)
     # the swap chapter's third queue (scheduling/swap.py)
     swapped_queue = scheduler.queues().get("swapped", [])
     named = [*out.seqs, *out.preempted, *updated, *scheduler.waiting, *scheduler.running,
@@ -133,8 +126,8 @@ def record_step(step: int, out: SchedulerOutput, updated: list[Sequence],
         block_tables={seq.seq_id: list(seq.block_table) for seq in scheduler.running},
         blocks_copied=list(out.blocks_to_copy),
         forked=list(out.forked_beams), dropped=list(out.dropped_beams),
-        blocks_offloaded=list(out.blocks_to_offload) if tier_plan else [],
-        blocks_loaded=list(out.blocks_to_load) if tier_plan else [],
+        blocks_offloaded=list(out.blocks_to_offload),  # the host tier's copies (kv_offload/)
+        blocks_loaded=list(out.blocks_to_load),
         num_host_cached_blocks=num_host_cached_blocks, num_host_blocks=num_host_blocks,
         num_freed_behind_window=bm.num_skipped_blocks(),
     )

@@ -39,27 +39,33 @@ class HostTierSchedulerOutput(SchedulerOutput):
 
 
 class HostKVTier:
-    """The host tier's books: num_blocks host blocks, each either free or holding one block's KV under its hash.
-    Inclusive: a block copied back keeps its host copy, so evicting it again costs no copy."""
+    """The host tier's books: num_blocks host blocks, each either free or holding one block's KV
+    under its hash. Inclusive: a block copied back keeps its host copy, so evicting it again costs
+    no copy."""
 
     def __init__(self, num_blocks: int, stats: SchedulerStats):
         self.num_blocks = num_blocks
-        self.cached: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()  # hash -> (host block, tokens): LRU first
+        # hash -> (host block, tokens): LRU first
+        self.cached: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
         self.free_block_ids = list(range(num_blocks))
-        # Host blocks this step's copies read or write (and hits the step may still load): none is reused before
-        # the step's copies have run, so a copy never reads a block another copy of the same step overwrites.
+        # Host blocks this step's copies read or write (and hits the step may still load): none is
+        # reused before the step's copies have run, so a copy never reads a block another copy of
+        # the same step overwrites.
         self.pinned: set[int] = set()
         self.blocks_to_offload: list[tuple[int, int]] = []
         self.blocks_to_load: list[tuple[int, int]] = []
         self.stats = stats
 
     def offload(self, block_id: int, block_hash: int, token_ids: list[int]) -> None:
-        """The device is about to reuse block_id, cached under block_hash: copy its KV to a host block."""
-        if block_hash in self.cached:  # already here (loaded from here, or offloaded before): its KV is the same
+        """The device is about to reuse block_id, cached under block_hash: copy its KV to a host
+        block."""
+        if block_hash in self.cached:
+            # already here (loaded from here, or offloaded before): its KV is the same
             self.cached.move_to_end(block_hash)
             return
         host_id = self._free_host_block()
-        if host_id is None:  # every host block is in this step's copies: the KV is dropped, as without a tier
+        if host_id is None:
+            # every host block is in this step's copies: the KV is dropped, as without a tier
             return
         self.cached[block_hash] = (host_id, list(token_ids))
         self.pinned.add(host_id)
@@ -67,14 +73,17 @@ class HostKVTier:
         self.stats.num_offloaded_blocks += 1
 
     def _free_host_block(self) -> int | None:
-        """A free host block, else the least recently used one outside this step's copies (LRU eviction)."""
+        """A free host block, else the least recently used one outside this step's copies (LRU
+        eviction)."""
         if self.free_block_ids:
             return self.free_block_ids.pop()
-        victim = next((h for h, (host_id, _) in self.cached.items() if host_id not in self.pinned), None)
+        victim = next((h for h, (host_id, _) in self.cached.items() if host_id not in self.pinned),
+                      None)
         return None if victim is None else self.cached.pop(victim)[0]
 
     def lookup(self, block_hash: int, token_ids: list[int]) -> bool:
-        """Is the block here, verified token by token? A hit stays put until the step's copies are taken."""
+        """Is the block here, verified token by token? A hit stays put until the step's copies are
+        taken."""
         entry = self.cached.get(block_hash)
         if entry is None or entry[1] != token_ids:
             return False
@@ -82,7 +91,8 @@ class HostKVTier:
         return True
 
     def load(self, block_hash: int, block_id: int) -> None:
-        """Copy the host block cached under block_hash into device block block_id (a hit: most recently used)."""
+        """Copy the host block cached under block_hash into device block block_id (a hit: most
+        recently used)."""
         self.cached.move_to_end(block_hash)
         self.blocks_to_load.append((self.cached[block_hash][0], block_id))
         self.stats.num_loaded_blocks += 1
@@ -106,9 +116,10 @@ class HostKVTier:
 
 def copy_tier_blocks(runner: ModelRunner, mapping: list[tuple[int, int]], offloading: bool,
                      lost_blocks: set[int]) -> dict[tuple[int, int], Exception]:
-    """On a rank (ModelRunner.apply): the host tier's copies, one block at a time, so that one that fails costs
-    only its own block: the tier holds copies of cache entries. A host block whose offload failed holds nothing
-    to load until an offload fills it. Returns the copies that failed, with why."""
+    """On a rank (ModelRunner.apply): the host tier's copies, one block at a time, so that one that
+    fails costs only its own block: the tier holds copies of cache entries. A host block whose
+    offload failed holds nothing to load until an offload fills it. Returns the copies that failed,
+    with why."""
     failed = {}
     src, dst = ("device", "kv_offloading_size") if offloading else ("kv_offloading_size", "device")
     for src_id, dst_id in mapping:
@@ -120,7 +131,8 @@ def copy_tier_blocks(runner: ModelRunner, mapping: list[tuple[int, int]], offloa
             if runner.rank != 0:
                 raise
             way = "out to" if offloading else "back from"
-            failed[src_id, dst_id] = RuntimeError(f"kv_offloading: copying KV {way} host memory failed: {error}")
+            failed[src_id, dst_id] = RuntimeError(f"kv_offloading: copying KV {way} host memory "
+                                                  f"failed: {error}")
             if offloading:
                 lost_blocks.add(dst_id)
         else:

@@ -1,7 +1,8 @@
-"""Disaggregated prefill (vLLM's --kv-transfer-config): one engine computes prompts (the producer, kv_producer),
-another receives their KV blocks and generates (the consumer, kv_consumer), and a proxy sends each request
-through both (serving/proxy.py). It buys control, not throughput: a long prompt no longer stalls the decodes of
-other requests, since they run on another engine (docs/disaggregated.md).
+"""Disaggregated prefill (vLLM's --kv-transfer-config): one engine computes prompts (the producer,
+kv_producer), another receives their KV blocks and generates (the consumer, kv_consumer), and a
+proxy sends each request through both (serving/proxy.py). It buys control, not throughput: a long
+prompt no longer stalls the decodes of other requests, since they run on another engine
+(docs/disaggregated.md).
 
 The connector, P2pConnector (connector.py), has vLLM's KVConnectorBase_V1 methods; the chapter's
 subclasses of the core's parts call them where vLLM's scheduler and worker do, each inert unless
@@ -122,8 +123,8 @@ class KVTransferEngineCore(EngineCore):
 
 
 def remote_prefill_params(engine: EngineCore, params: dict | None) -> dict | None:
-    """The kv_transfer_params a producer answers a {"do_remote_decode": true} request with, for the consumer (vLLM's
-    shape): where its blocks are. None for any other request."""
+    """The kv_transfer_params a producer answers a {"do_remote_decode": true} request with, for the
+    consumer (vLLM's shape): where its blocks are. None for any other request."""
     if not params or not params.get("do_remote_decode"):
         return None
     config = engine.config.kv_transfer_config

@@ -41,13 +41,16 @@ class KVTransferStats:
 
     num_saved_blocks: int = 0  # producer: prompt blocks whose KV went into the KVStore
     num_received_blocks: int = 0  # consumer: blocks whose KV came from the producer
-    num_received_tokens: int = 0  # consumer: prompt tokens counted as computed thanks to them (not recomputed)
-    num_failed_transfers: int = 0  # consumer: prompts it computed itself (the producer failed or was too slow)
+    # consumer: prompt tokens counted as computed thanks to them (not recomputed)
+    num_received_tokens: int = 0
+    # consumer: prompts it computed itself (the producer failed or was too slow)
+    num_failed_transfers: int = 0
 
 
 @dataclass
 class Pull:
-    """A consumer request's blocks on their way: those from block `first` on (the ones before are cached here)."""
+    """A consumer request's blocks on their way: those from block `first` on (the ones before are
+    cached here)."""
 
     future: Future
     first: int
@@ -58,30 +61,33 @@ class Pull:
 class ConnectorMetadata:
     """One step's work for the worker side (KVTransferSchedulerOutput.kv_connector_metadata)."""
 
-    loads: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # (received KV, device block)
+    # (received KV, device block)
+    loads: list[tuple[torch.Tensor, int]] = field(default_factory=list)
     saves: list[tuple[int, int]] = field(default_factory=list)  # (chained hash, device block)
 
 
 def prompt_block_hashes(seq: Sequence, block_size: int) -> list[int]:
-    """The chained hash of each of seq's prompt blocks, the last one too even if partly full (its hash covers
-    only its tokens, so it names that partial block's KV exactly)."""
+    """The chained hash of each of seq's prompt blocks, the last one too even if partly full (its
+    hash covers only its tokens, so it names that partial block's KV exactly)."""
     hashes = seq.block_hashes[: seq.num_prompt_tokens // block_size]
     tail = seq.prompt_token_ids[len(hashes) * block_size :]
-    return (hashes + [compute_hash(tail, hashes[-1] if hashes else seq.hash_root)]) if tail else hashes
+    return (hashes + [compute_hash(tail,
+                                   hashes[-1] if hashes else seq.hash_root)]) if tail else hashes
 
 
 def check_params(params: object, config: KVTransferConfig) -> None:
     """A request's kv_transfer_params: a ValueError naming the key, before it is queued."""
     if not isinstance(params, dict) or set(params) - set(PARAMS):
-        raise ValueError(f"kv_transfer_params: must be a dict with keys among {list(PARAMS)}, got {params!r}")
+        raise ValueError(f"kv_transfer_params: must be a dict with keys among {list(PARAMS)}, "
+                         f"got {params!r}")
     wanted = "do_remote_decode" if config.is_producer else "do_remote_prefill"
     for key in ("do_remote_decode", "do_remote_prefill"):
         if params.get(key) and key != wanted:
             raise ValueError(f"kv_transfer_params.{key}: this engine's kv_role is {config.kv_role}")
     for key, mine in (("remote_host", config.kv_ip), ("remote_port", config.kv_port)):
         if params.get(key) is not None and params[key] != mine:
-            raise ValueError(f"kv_transfer_params.{key}: this engine is joined to {config.kv_ip}:{config.kv_port}, "
-                             f"not {params[key]!r}")
+            raise ValueError(f"kv_transfer_params.{key}: this engine is joined "
+                             f"to {config.kv_ip}:{config.kv_port}, not {params[key]!r}")
 
 
 class P2pConnector:
@@ -90,14 +96,16 @@ class P2pConnector:
     def __init__(self, engine: EngineCore, config: KVTransferConfig):
         self.config, self.block_size = config, engine.config.block_size
         self.block_manager, self.requests = engine.block_manager, engine.requests
-        self.kv_cache = engine.model_runner.kv_cache  # [2, layers, blocks + 1, block_size, kv_heads, head_dim]
+        # [2, layers, blocks + 1, block_size, kv_heads, head_dim]
+        self.kv_cache = engine.model_runner.kv_cache
         self.stats = KVTransferStats()
         self.store = KVStore(config.kv_buffer_size) if config.is_producer else None
         device = self.kv_cache.device
         block_shape = (self.kv_cache.shape[0], self.kv_cache.shape[1], *self.kv_cache.shape[3:])
         self.pipe = KVPipe(config, block_shape, self.kv_cache.dtype, device, self.store)
         self.pulls: dict[str, Pull] = {}  # consumer: request id -> its blocks on their way
-        self.received: dict[str, tuple[int, list[torch.Tensor]]] = {}  # request id -> (first block, its KV)
+        # request id -> (first block, its KV)
+        self.received: dict[str, tuple[int, list[torch.Tensor]]] = {}
         self.meta = ConnectorMetadata()  # the step being planned
 
     # ---- requests ------------------------------------------------------------------------------
@@ -119,7 +127,8 @@ class P2pConnector:
                                                   time.monotonic() + self.config.transfer_timeout)
 
     def _num_cached_blocks(self, seq: Sequence, hashes: list[int]) -> int:
-        """How many of seq's first blocks this engine's prefix cache holds (as BlockManager._cached_prefix)."""
+        """How many of seq's first blocks this engine's prefix cache holds (as
+        BlockManager._cached_prefix)."""
         for i, block_hash in enumerate(hashes):
             if self.block_manager.cached_block_id(block_hash, seq.block(i)) is None:
                 return i
@@ -144,14 +153,16 @@ class P2pConnector:
     def _give_up(self, request_id: str, error: BaseException) -> None:
         del self.pulls[request_id]
         self.stats.num_failed_transfers += 1
-        logger.warning("request %s: the prompt's KV transfer failed (%s); computing the prompt here", request_id,
-                       error)
+        logger.warning("request %s: the prompt's KV transfer failed (%s); computing the prompt "
+                       "here", request_id, error)
 
-    # ---- the scheduler's side ------------------------------------------------------------------------
+    # ---- the scheduler's side --------------------------------------------------------------------
     def get_num_new_matched_tokens(self, seq: Sequence, num_computed_tokens: int) -> int:
-        """All of the prompt but its last token, if the received blocks reach from the cached ones to there."""
+        """All of the prompt but its last token, if the received blocks reach from the cached ones
+        to there."""
         pull = self.pulls.get(seq.request_id)
-        if pull is None or not pull.future.done() or seq is not self.requests[seq.request_id].first_seq:
+        if (pull is None or not pull.future.done()
+                or seq is not self.requests[seq.request_id].first_seq):
             return 0
         if pull.future.exception() is not None:
             self._give_up(seq.request_id, pull.future.exception())
@@ -159,7 +170,8 @@ class P2pConnector:
         del self.pulls[seq.request_id]
         blocks = pull.future.result()
         start = pull.first * self.block_size
-        if num_computed_tokens < start:  # cached blocks were evicted meanwhile: the rest is recomputed from there
+        if num_computed_tokens < start:
+            # cached blocks were evicted meanwhile: the rest is recomputed from there
             return 0
         end = min(start + len(blocks) * self.block_size, seq.num_prompt_tokens - 1)
         if end <= num_computed_tokens:
@@ -190,10 +202,12 @@ class P2pConnector:
         meta, self.meta = self.meta, ConnectorMetadata()
         for row in out.rows:
             seq, params = row.seq, row.seq.sampling_params.kv_transfer_params
-            if params and params.get("do_remote_decode") and row.start + row.num_tokens == seq.num_prompt_tokens:
+            ends_prompt = row.start + row.num_tokens == seq.num_prompt_tokens
+            if params and params.get("do_remote_decode") and ends_prompt:
                 hashes = prompt_block_hashes(seq, self.block_size)
                 meta.saves += zip(hashes, seq.block_table)
-        for request_id in [r for r in self.pulls if r not in self.requests]:  # aborted while waiting
+        for request_id in [r for r in self.pulls if r not in self.requests]:
+            # aborted while waiting
             del self.pulls[request_id]
         return meta
 

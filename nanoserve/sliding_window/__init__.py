@@ -26,9 +26,10 @@ def frees_blocks(config: Config) -> int:
     return max(windows) if all(windows) else 0
 
 
-def window_block_manager(config: Config,
-                        block_manager_class: type[SlidingWindowBlockManager] = SlidingWindowBlockManager
-                        ) -> Callable[..., SlidingWindowBlockManager] | None:
+def window_block_manager(
+        config: Config,
+        block_manager_class: type[SlidingWindowBlockManager] = SlidingWindowBlockManager,
+) -> Callable[..., SlidingWindowBlockManager] | None:
     """The class of both pools (the device's and the swap pool), with the window, when every layer
     is windowed (block_manager_class: a subclass with chapters, nanoserve/chapters.py); else None (a
     hybrid model: the core's BlockManager)."""

@@ -21,11 +21,13 @@ def propose_drafts(running: Iterable[Sequence], spec: SpeculativeConfig,
     scheduler reserved for them (draft_model_proposer.py). grammar: a sequence's grammar matcher,
     or None (structured outputs)."""
     running = list(running)
-    ngram = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max) if spec.method == "ngram" else None
+    ngram = (NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+             if spec.method == "ngram" else None)
     enabled = spec.enabled_for(len(running))
     for seq in running:
         matcher = None if grammar is None else grammar(seq)
-        if seq.num_output_placeholders:  # async scheduling: a step in flight computes it (and keeps its drafts)
+        if seq.num_output_placeholders:
+            # async scheduling: a step in flight computes it (and keeps its drafts)
             continue
         k = num_spec_tokens_allowed(spec.num_speculative_tokens, seq.num_completion_tokens,
                                     seq.sampling_params.max_tokens)

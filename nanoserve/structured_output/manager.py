@@ -3,8 +3,8 @@ enable_structured_outputs=True: each request's grammar constrains what its seque
 
 The chapter is three subclasses of the core's, which do nothing without its config:
 1. `StructuredOutputsEngineCore.add`: the request's spec is compiled (once per distinct spec:
-   grammar.py caches it), before it is queued, and each of its n sequences gets a matcher of its own,
-   kept by the manager by seq id: preemption, by recompute or swap, leaves it as it is.
+   grammar.py caches it), before it is queued, and each of its n sequences gets a matcher of its
+   own, kept by the manager by seq id: preemption, by recompute or swap, leaves it as it is.
 2. The manager's `prepare` and `apply` (a logits processor, vLLM's interface, on the input
    builder): each constrained row of the step's bitmask gets the tokens its matcher allows next, and
    the sampler sets the others to -inf. With k draft tokens (speculative decoding; the proposer cut
@@ -52,8 +52,9 @@ class StructuredOutputManager:
                 request.sampling_params.structured_outputs)
 
     def prepare(self, rows: list[tuple[Sequence, int]]) -> torch.Tensor | None:
-        """int32 [len(rows), ceil(vocab_size / 32)], bit t of row i set if rows[i] may sample token t next (all set
-        for a sequence without a grammar); None when no row has one. A sequence with k drafts has 1 + k rows."""
+        """int32 [len(rows), ceil(vocab_size / 32)], bit t of row i set if rows[i] may sample token
+        t next (all set for a sequence without a grammar); None when no row has one. A sequence with
+        k drafts has 1 + k rows."""
         if not self.matchers or all(seq.seq_id not in self.matchers for seq, _ in rows):
             return None
         from nanoserve.structured_output.grammar import allocate_bitmask

@@ -58,7 +58,10 @@ def train_adapter(model: str, folder: str, steps: int = 12, seed: int = 0) -> st
         target.append(tokenizer.eos_token_id)
         examples.append((prompt + target, [-100] * len(prompt) + target))
     width = max(len(ids) for ids, _ in examples)
-    pad = lambda rows, value: torch.tensor([r + [value] * (width - len(r)) for r in rows])  # noqa: E731
+
+    def pad(rows: list[list[int]], value: int) -> torch.Tensor:
+        return torch.tensor([r + [value] * (width - len(r)) for r in rows])
+
     input_ids = pad([ids for ids, _ in examples], tokenizer.eos_token_id)
     labels = pad([lab for _, lab in examples], -100)
     mask = pad([[1] * len(ids) for ids, _ in examples], 0)
@@ -96,7 +99,10 @@ def serve(model: str, adapter: str, arrive_every: int = 2) -> tuple[LLM, dict[in
                                    lora_request=lora)
         for out in llm.engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-    answer = lambda i: llm.tokenizer.decode(tokens[f"Q{i + 1}"], skip_special_tokens=True).strip()  # noqa: E731
+
+    def answer(i: int) -> str:
+        return llm.tokenizer.decode(tokens[f"Q{i + 1}"], skip_special_tokens=True).strip()
+
     lines = [f"Q{i + 1} ({'pirate' if i % 2 else 'base'}) {q} -> {answer(i)!r}"
              for i, q in enumerate(ASK)]
     names = {seq_id: request_id for rec in llm.trace
