@@ -63,6 +63,8 @@ from nanoserve.sliding_window import SlidingWindowBlockManager, frees_blocks, wi
 from nanoserve.spec_decode import (
     SpecDecodeEngineCore,
     SpecDecodeExecutor,
+    SpecDecodeInputBuilder,
+    SpecDecodeModelInput,
     SpecDecodeModelRunner,
     SpecDecodeScheduler,
     SpecDecodeSchedulerOutput,
@@ -117,11 +119,12 @@ class ChaptersWindowBlockManager(LogprobsBlockManager, SlidingWindowBlockManager
 
 
 @dataclass
-class ChaptersModelInput(LogprobsModelInput, BatchModelInput):
+class ChaptersModelInput(SpecDecodeModelInput, LogprobsModelInput, BatchModelInput):
     """The batch with every chapter's fields."""
 
 
-class ChaptersInputBuilder(BeamInputBuilder, LogprobsInputBuilder, InputBatch):
+class ChaptersInputBuilder(SpecDecodeInputBuilder, BeamInputBuilder, LogprobsInputBuilder,
+                           InputBatch):
     input_class = ChaptersModelInput
 
 

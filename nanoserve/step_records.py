@@ -4,9 +4,9 @@ per step (as vLLM's stat loggers are called): its `step_recorder` keeps them for
 hands each to its listeners. `nanoserve/tools/trace.py` prints and plots them; the server's
 dashboard (`nanoserve serve --dashboard`, whose engine has `step_records=True`) streams them. With
 neither on, nothing here runs."""
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
+from typing import Protocol
 
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
@@ -150,16 +150,23 @@ class StepView:
     spec: dict[int, tuple[int, int]]
 
 
+class StepListener(Protocol):
+    """Who reads each step as it is recorded (the dashboard's StepStream), as vLLM's stat loggers
+    read each step's stats: in the engine's thread, and None when an abort changed the queues and
+    blocks between steps."""
+
+    def record(self, rec: StepRecord | None) -> None: ...
+
+
 class StepRecorder:
     """Records each step (StepRecordsEngineCore calls it): `LLM(..., trace=True)` keeps them all in
-    `trace`; each listener (`nanoserve serve --dashboard`) gets it then and there, in the engine's
-    thread, and None when an abort changed the queues and blocks between steps. With no trace and no
-    listener, no record is made."""
+    `trace`; each listener (`nanoserve serve --dashboard`) gets it then and there. With no trace and
+    no listener, no record is made."""
 
     def __init__(self, scheduler: Scheduler, keep: bool):
         self.scheduler = scheduler
         self.trace: list[StepRecord] | None = [] if keep else None
-        self.listeners: list[Callable[[StepRecord | None], None]] = []
+        self.listeners: list[StepListener] = []
         self.num_steps = 0
 
     def record(self, out: SchedulerOutput, updated: list[Sequence]) -> None:
@@ -174,7 +181,7 @@ class StepRecorder:
 
     def notify(self, record: StepRecord | None) -> None:
         for listener in self.listeners:
-            listener(record)
+            listener.record(record)
 
 
 class StepReader:

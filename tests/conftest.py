@@ -206,6 +206,13 @@ def start_server(args: list[str], log: Path, env: dict | None = None, module: st
         time.sleep(0.2)
 
 
+class Listener:
+    """A step recorder's listener (nanoserve/step_records.py's StepListener) that calls fn with each record."""
+
+    def __init__(self, fn):
+        self.record = fn
+
+
 def make_scheduler(config, block_manager, host_block_manager=None):
     """The scheduler an engine with `config` has (the core's, or with the swap, priority and speculative
     decoding chapters: nanoserve/chapters.py), over these pools."""

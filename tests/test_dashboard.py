@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from test_lora import make_adapter
 
-from conftest import Server, start_server
+from conftest import Listener, Server, start_server
 from nanoserve import LLM, AsyncLLM, LoRARequest, SamplingParams
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.serving.app import build_app
@@ -32,7 +32,7 @@ def engine_with_stream(model: str, **options) -> tuple[LLM, StepStream, list[dic
     the list collects the engine state after each step."""
     llm = LLM(model, block_size=4, max_model_len=128, step_records=True, **options)
     stream, states = StepStream(llm.engine, interval=0), []
-    llm.engine.step_recorder.listeners += [stream.record, lambda rec: states.append(stream.engine)]
+    llm.engine.step_recorder.listeners += [stream, Listener(lambda rec: states.append(stream.engine))]
     return llm, stream, states
 
 
@@ -103,7 +103,7 @@ def test_engine_read_at_most_every_interval_and_when_idle(tiny_models):
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16, step_records=True)
     stream, reads, sent = StepStream(llm.engine, interval=3600), [], []
     stream.read_engine = lambda: reads.append(len(llm.engine.scheduler.running)) or {"reading": len(reads)}
-    llm.engine.step_recorder.listeners += [stream.record, lambda rec: sent.append(stream.since(0))]
+    llm.engine.step_recorder.listeners += [stream, Listener(lambda rec: sent.append(stream.since(0)))]
     llm.generate([[5, 6, 7]], GREEDY, use_tqdm=False)  # 8 steps
     assert reads == [1, 0] and stream.num_records == 8
     assert [(len(steps), engine) for steps, _, engine, _ in sent] == [(1, {"reading": 1})] * 7 + [(8, {"reading": 2})]
@@ -113,7 +113,7 @@ def test_an_abort_that_leaves_the_engine_idle_is_read(tiny_models):
     """Aborts make no step; the last one, which leaves the engine idle with no step to come, is read at once."""
     llm = LLM(tiny_models["qwen3"], block_size=4, num_kvcache_blocks=16, step_records=True)
     stream = StepStream(llm.engine, interval=3600)
-    llm.engine.step_recorder.listeners.append(stream.record)
+    llm.engine.step_recorder.listeners.append(stream)
     for name in "AB":
         llm.engine.add_request(name, [ord(name), 5, 6, 7, 8], GREEDY)
     llm.engine.step()

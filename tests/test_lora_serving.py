@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 from test_lora import make_adapter
 
-from conftest import make_model
+from conftest import Listener, make_model
 from nanoserve import LLM, AsyncLLM, LoRARequest, SamplingParams
 from nanoserve.serving.app import build_app
 from nanoserve.serving.cli import add_serve_flags, app_from_args, engine_options, main
@@ -84,7 +84,7 @@ def test_model_picks_the_adapter_in_one_batch(served, llm, adapters):
     engine, app, _ = served
     recorder = engine.engine_core.step_recorder
     batches = []
-    recorder.listeners.append(lambda rec: rec and batches.append({r.lora_name for r in rec.scheduled}))
+    recorder.listeners.append(Listener(lambda rec: rec and batches.append({r.lora_name for r in rec.scheduled})))
     body = dict(prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
 
     async def complete_all() -> dict[str, httpx.Response]:

@@ -10,7 +10,7 @@ import torch
 from test_beam_search import hf_beam_search
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config
 
-from conftest import COMMON, hf_greedy, random_prompts
+from conftest import COMMON, Listener, hf_greedy, random_prompts
 from nanoserve import LLM, BeamSearchParams, SamplingParams
 from nanoserve.config import sliding_windows
 from nanoserve.sliding_window import NULL_BLOCK, SlidingWindowBlockManager
@@ -153,7 +153,7 @@ def test_a_long_sequence_holds_at_most_its_window(tmp_path):
         for seq in llm.engine.scheduler.running:
             held.append((len(seq), sum(b != NULL_BLOCK for b in seq.block_table), list(seq.block_table)))
 
-    llm.engine.step_recorder.listeners.append(observe)
+    llm.engine.step_recorder.listeners.append(Listener(observe))
     llm.generate([list(range(3, 40))], SamplingParams(temperature=0, max_tokens=2000 - 37, ignore_eos=True),
                  use_tqdm=False)
     assert held[-1][0] == 1999 and max(n for _, n, _ in held) == 9

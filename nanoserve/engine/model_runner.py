@@ -59,7 +59,6 @@ class ModelInput:
     logits_rows: torch.Tensor  # the rows of the flat batch whose logits are computed
     sampling: SamplingMetadata  # for the first len(sample_seq_ids) rows of logits
     sample_seq_ids: list[int]  # who samples, row by row (the next step finds its placeholders here)
-    spec_decode_tokens: dict[int, list[int]]  # seq_id -> lookahead tokens: its 1 + k rows verified
 
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -99,13 +98,12 @@ class InputBuilder:
         rows = [(s, j) for row in out.rows if out.draws(row)
                 for s, j in [(row.seq, j) for j in range(len(row.seq.spec_token_ids) + 1)]
                 + [(f, 0) for f in row.forks]]
-        return self.input_class(input_ids=self._tensor(step.input_ids, torch.int64),
-                          positions=self._tensor(step.positions, torch.int64),
-                          meta=meta, logits_rows=self._tensor(step.logits_rows, torch.int64),
-                          sampling=self.prepare_sampling(rows, step.params),
-                          sample_seq_ids=[seq.seq_id for seq, _ in rows],
-                          spec_decode_tokens={seq.seq_id: list(seq.spec_token_ids)
-                                              for seq, j in rows if j == 0 and seq.spec_token_ids})
+        return self.input_class(
+            input_ids=self._tensor(step.input_ids, torch.int64),
+            positions=self._tensor(step.positions, torch.int64), meta=meta,
+            logits_rows=self._tensor(step.logits_rows, torch.int64),
+            sampling=self.prepare_sampling(rows, step.params),
+            sample_seq_ids=[seq.seq_id for seq, _ in rows])
 
     def flatten(self, out: SchedulerOutput) -> StepArrays:
         """The step's host arrays: each scheduled token's id, position and cache slot, sequence by

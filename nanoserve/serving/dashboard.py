@@ -240,7 +240,7 @@ def add_dashboard(app: FastAPI, engine, model_name: str, api_key: str | None) ->
     stream = StepStream(core)
     # The server takes no request yet: the engine thread is idle.
     stream.engine = stream.read_engine()
-    core.step_recorder.listeners.append(stream.record)
+    core.step_recorder.listeners.append(stream)
     config = page_config(core.config, model_name)
     page = PAGE.read_text()
 

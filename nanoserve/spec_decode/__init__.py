@@ -11,11 +11,17 @@ A subclass of each core class it changes, each the core's own unless speculative
 from nanoserve.config import Config
 from nanoserve.engine.core import EngineCore
 from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer
-from nanoserve.spec_decode.model_runner import SpecDecodeExecutor, SpecDecodeModelRunner
+from nanoserve.spec_decode.model_runner import (
+    SpecDecodeExecutor,
+    SpecDecodeInputBuilder,
+    SpecDecodeModelInput,
+    SpecDecodeModelRunner,
+)
 from nanoserve.spec_decode.scheduler import SpecDecodeScheduler, SpecDecodeSchedulerOutput
 
-__all__ = ["SpecDecodeEngineCore", "SpecDecodeExecutor", "SpecDecodeModelRunner",
-           "SpecDecodeScheduler", "SpecDecodeSchedulerOutput"]
+__all__ = ["SpecDecodeEngineCore", "SpecDecodeExecutor", "SpecDecodeInputBuilder",
+           "SpecDecodeModelInput", "SpecDecodeModelRunner", "SpecDecodeScheduler",
+           "SpecDecodeSchedulerOutput"]
 
 
 class SpecDecodeEngineCore(EngineCore):

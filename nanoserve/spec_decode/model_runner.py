@@ -6,15 +6,37 @@ the sampler processes every row with the request's options, and the rejection sa
 picks what to emit. A request without drafts in the same step is a verification of k = 0: a plain
 draw.
 """
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
-from nanoserve.engine.model_runner import Executor, ModelInput, ModelRunner
+from nanoserve.engine.model_runner import Executor, InputBuilder, ModelInput, ModelRunner
 from nanoserve.engine.scheduler import SchedulerOutput
 from nanoserve.layers.attention import AttentionMetadata
 from nanoserve.models import load_model
 from nanoserve.spec_decode.draft_model_proposer import DraftModelProposer
 from nanoserve.spec_decode.rejection_sampler import RejectionSampler
+
+
+@dataclass
+class SpecDecodeModelInput(ModelInput):
+    """The batch, with the drafts each sequence verifies: seq_id -> its lookahead tokens (its 1 + k
+    sampling rows are verified together)."""
+
+    spec_decode_tokens: dict[int, list[int]] = field(default_factory=dict)
+
+
+class SpecDecodeInputBuilder(InputBuilder):
+    input_class = SpecDecodeModelInput
+
+    def prepare_inputs(self, out: SchedulerOutput) -> SpecDecodeModelInput | None:
+        inputs = super().prepare_inputs(out)
+        if inputs is not None:
+            inputs.spec_decode_tokens = {row.seq.seq_id: list(row.seq.spec_token_ids)
+                                         for row in out.rows
+                                         if out.draws(row) and row.seq.spec_token_ids}
+        return inputs
 
 
 class SpecDecodeModelRunner(ModelRunner):
@@ -41,7 +63,7 @@ class SpecDecodeModelRunner(ModelRunner):
         hidden = self.draft_model(input_ids, positions, meta)
         return self.draft_model.compute_logits(hidden, logits_rows)
 
-    def sample(self, logits: torch.Tensor, inputs: ModelInput) -> torch.Tensor:
+    def sample(self, logits: torch.Tensor, inputs: SpecDecodeModelInput) -> torch.Tensor:
         """The token each sampling row emits, PLACEHOLDER_TOKEN_ID past a request's emitted run:
         1 + k entries for a request with k drafts, one for any other row, in row order
         (SpecDecodeScheduler.accept_tokens reads them so). A step without drafts is a plain draw."""
