@@ -20,34 +20,35 @@ class TextPart(RequestModel):
     annotations: list | None = None  # (an earlier answer's, sent back: nanoserve makes none)
 
 
-class MessageItem(RequestModel):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]  # developer: a system message
-    content: str | list[TextPart]
-    # an earlier output item's id and status, sent back with it: they name it, no more
+class BaseInputItem(RequestModel):
+    """An item of the input: an earlier output item sent back keeps its id and status, which name
+    it, no more."""
+
     id: str | None = None
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallItem(RequestModel):
+class MessageItem(BaseInputItem):
+    type: Literal["message"] = "message"
+    role: Literal["user", "assistant", "system", "developer"]  # developer: a system message
+    content: str | list[TextPart]
+
+
+class FunctionCallItem(BaseInputItem):
     """A call the model made (an earlier answer's function_call item, sent back)."""
 
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str  # a JSON object, as text
-    id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
-class FunctionCallOutputItem(RequestModel):
+class FunctionCallOutputItem(BaseInputItem):
     """What running that call gave: its result for the model to read."""
 
     type: Literal["function_call_output"]
     call_id: str
     output: str
-    id: str | None = None
-    status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
 def item_type(item) -> str | None:

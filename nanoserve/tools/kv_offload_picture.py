@@ -62,7 +62,7 @@ def draw(rows: list[tuple[int, int, int]], path: str) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="docs/images/kv_offload_turns.png")
-    args = parser.parse_args()
+    out = parser.parse_args().out
     rows = turns()
     print(rows)
-    draw(rows, args.out)
+    draw(rows, out)
