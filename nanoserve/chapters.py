@@ -57,8 +57,12 @@ from nanoserve.persistent_batch import BatchModelInput, InputBatch
 from nanoserve.sampling_params import RequestOutputKind
 from nanoserve.scheduling.async_scheduling import AsyncScheduler, BatchQueueEngineCore
 from nanoserve.scheduling.priority import PriorityEngineCore, PriorityScheduler
-from nanoserve.scheduling.swap import SwapExecutor, SwapScheduler, SwapSchedulerOutput
-from nanoserve.scheduling.swap import plug_in as plug_in_swap
+from nanoserve.scheduling.swap import (
+    SwapEngineCore,
+    SwapExecutor,
+    SwapScheduler,
+    SwapSchedulerOutput,
+)
 from nanoserve.sliding_window import SlidingWindowBlockManager, frees_blocks, window_block_manager
 from nanoserve.spec_decode import (
     SpecDecodeEngineCore,
@@ -140,8 +144,8 @@ class ChaptersExecutor(SpecDecodeExecutor, KVTransferExecutor, HostTierExecutor,
 
 class ChaptersEngineCore(LoRAEngineCore, StepRecordsEngineCore, BeamEngineCore,
                          LogprobsEngineCore, SpecDecodeEngineCore, StructuredOutputsEngineCore,
-                         KVTransferEngineCore, HostTierEngineCore, PriorityEngineCore,
-                         BatchQueueEngineCore):
+                         KVTransferEngineCore, HostTierEngineCore, SwapEngineCore,
+                         PriorityEngineCore, BatchQueueEngineCore):
     """(The records' core records a step once every chapter after it took it in; LoRA's comes
     first so that it forgets an ended request's adapter only once the step is recorded.)"""
 
@@ -169,26 +173,15 @@ def asks_for_chapters(config: Config) -> bool:
 
 def build_engine(config: Config) -> EngineCore:
     """The engine the config asks for: the core's classes, or the chapters' composites."""
-    block_manager_class = BlockManager
     if not asks_for_chapters(config):
-        engine = EngineCore(config)
-    else:  # (the window's block manager frees blocks behind the window: sliding_window/)
-        block_manager_class = (window_block_manager(config, ChaptersWindowBlockManager)
-                               or ChaptersBlockManager)
-        engine = ChaptersEngineCore(
-            config, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
-            scheduler_class=ChaptersScheduler, input_builder_class=ChaptersInputBuilder,
-            model_runner_class=ChaptersModelRunner)
-    try:
-        # a chapter that cannot plug in (a host pool too small for a block, ...) ends the engine's
-        # workers now
-        if config.scheduler_config.preemption_mode == "swap":
-            # the swap pool, in the device pool's class
-            plug_in_swap(engine, block_manager_class)
-    except BaseException:
-        engine.shutdown()
-        raise
-    return engine
+        return EngineCore(config)
+    # (the window's block manager frees blocks behind the window: sliding_window/)
+    block_manager_class = (window_block_manager(config, ChaptersWindowBlockManager)
+                           or ChaptersBlockManager)
+    return ChaptersEngineCore(
+        config, executor_class=ChaptersExecutor, block_manager_class=block_manager_class,
+        scheduler_class=ChaptersScheduler, input_builder_class=ChaptersInputBuilder,
+        model_runner_class=ChaptersModelRunner)
 
 
 def beam_search_feature(engine: EngineCore) -> BeamEngineCore:

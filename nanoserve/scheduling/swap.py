@@ -57,7 +57,7 @@ class SwapScheduler(Scheduler):
     """The scheduler with preemption_mode="swap"; with "recompute", the core's."""
 
     output_class = SwapSchedulerOutput
-    host_block_manager: BlockManager  # the swap pool's books, in host memory (plug_in sizes it)
+    host_block_manager: BlockManager  # the swap pool's books, in host memory (SwapEngineCore's)
 
     def __init__(self, config: Config, *args, **kwargs):
         super().__init__(config, *args, **kwargs)
@@ -143,11 +143,20 @@ class SwapExecutor(Executor):
         super().copy_kv_in(out)
 
 
-def plug_in(engine: EngineCore, block_manager_class: Callable[..., BlockManager]) -> None:
-    """Every rank allocates its host pool (swap_space GiB); the scheduler keeps its books, in a pool
-    of the device pool's class."""
-    config, scheduler = engine.config, engine.scheduler
-    num_blocks = engine.executor.call("apply", allocate_host_pool, "swap_space",
-                                      config.scheduler_config.swap_space)
-    scheduler.host_block_manager = block_manager_class(num_blocks, config.block_size,
-                                                       enable_prefix_caching=False)
+class SwapEngineCore(EngineCore):
+    """With preemption_mode="swap", every rank allocates its host pool (swap_space GiB), and the
+    scheduler keeps its books in a pool of the device pool's class (the window's too)."""
+
+    def __init__(self, config: Config, *,
+                 block_manager_class: Callable[..., BlockManager] = BlockManager, **parts):
+        super().__init__(config, block_manager_class=block_manager_class, **parts)
+        if config.scheduler_config.preemption_mode != "swap":
+            return
+        try:  # a host pool too small for a block ends the engine's workers now
+            num_blocks = self.executor.call("apply", allocate_host_pool, "swap_space",
+                                            config.scheduler_config.swap_space)
+            self.scheduler.host_block_manager = block_manager_class(
+                num_blocks, config.block_size, enable_prefix_caching=False)
+        except BaseException:
+            self.shutdown()
+            raise
