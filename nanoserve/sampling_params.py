@@ -82,7 +82,8 @@ class SamplingParams:
 # (Checked after the table: top_k is not 0, min_tokens <= max_tokens.)
 LIMITS: dict[str, tuple[type, str]] = {
     "n": (int, "[1, inf)"), "temperature": (float, "[0, inf)"), "top_p": (float, "(0, 1]"),
-    "top_k": (int, "[-1, inf)"), "min_p": (float, "[0, 1]"), "presence_penalty": (float, "[-2, 2]"),
+    "top_k": (int, f"[-1, {2 ** 63})"),  # (the sampler's column is int64)
+    "min_p": (float, "[0, 1]"), "presence_penalty": (float, "[-2, 2]"),
     "frequency_penalty": (float, "[-2, 2]"), "repetition_penalty": (float, "(0, inf)"),
     "max_tokens": (int, "[1, inf)"), "min_tokens": (int, "[0, inf)"),
     # what torch.Generator.manual_seed takes, with room for seed + i

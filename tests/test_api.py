@@ -97,7 +97,8 @@ def test_request_that_can_never_fit_the_kv_pool(tiny_models):
     (dict(top_p=0), ["top_p", "(0, 1]", "got 0"]),
     (dict(top_p=1.5), ["top_p", "(0, 1]", "got 1.5"]),
     (dict(top_k=0), ["top_k", ">= 1", "got 0"]),
-    (dict(top_k=-2), ["top_k", ">= -1", "got -2"]),
+    (dict(top_k=-2), ["top_k", "[-1, ", "got -2"]),
+    (dict(top_k=2 ** 63), ["top_k", f"an integer in [-1, {2 ** 63})", f"got {2 ** 63}"]),  # past the sampler's int64
     (dict(min_p=1.5), ["min_p", "[0, 1]", "got 1.5"]),
     (dict(presence_penalty=2.5), ["presence_penalty", "[-2, 2]", "got 2.5"]),
     (dict(frequency_penalty=-3), ["frequency_penalty", "[-2, 2]", "got -3"]),

@@ -39,6 +39,7 @@ def test_temperature_0_is_argmax():
 
 def test_full_distribution_samples_every_token():
     assert draws() == {0, 1, 2, 3}
+    assert draws(top_k=2 ** 63 - 1) == {0, 1, 2, 3}  # the largest top_k SamplingParams takes keeps all
 
 
 def test_top_k_2_never_leaves_the_two_largest():
