@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from nanoserve import async_llm, llm
 from nanoserve.beam_search.scheduler import (
+    BEAM_SEARCH_OFF,
     BeamEngineCore,
     BeamExecutor,
     BeamInputBuilder,
@@ -185,11 +186,11 @@ def build_engine(config: Config) -> EngineCore:
 
 
 def beam_search_feature(engine: EngineCore) -> BeamEngineCore:
-    """The engine, built with enable_beam_search=True; without it, a ValueError naming that option,
-    before anything is queued (BeamEngineCore.check_beam_request)."""
-    if not isinstance(engine, BeamEngineCore) or engine.beam_search_config is None:
-        raise ValueError("beam search: this engine was built without it; pass "
-                         "LLM(..., enable_beam_search=True)")
+    """The engine as beam search's; the core's alone (no chapter asked for) has none: a ValueError
+    naming the option, before anything is queued (BeamEngineCore.check_beam_request says it for
+    a composite built without it)."""
+    if not isinstance(engine, BeamEngineCore):
+        raise ValueError(BEAM_SEARCH_OFF)
     return engine
 
 

@@ -32,6 +32,9 @@ from nanoserve.engine.scheduler import ScheduledSequence, Scheduler, SchedulerOu
 from nanoserve.engine.sequence import Request, Sequence, SequenceStatus
 from nanoserve.sampling_params import SamplingParams
 
+BEAM_SEARCH_OFF = ("beam search: this engine was built without it; pass "
+                   "LLM(..., enable_beam_search=True)")
+
 
 def beam_sampling_params(params: BeamSearchParams) -> SamplingParams:
     """What the scheduler and the request checks see: n = beam_width seats and sequences' worth of
@@ -213,8 +216,7 @@ class BeamEngineCore(EngineCore):
         """The limits of beam search itself, then the prompt and the KV blocks of beam_width
         sequences."""
         if self.beam_search_config is None:
-            raise ValueError("beam search: this engine was built without it; pass "
-                             "LLM(..., enable_beam_search=True)")
+            raise ValueError(BEAM_SEARCH_OFF)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params: expected BeamSearchParams, got {type(params).__name__}")
         config = self.config
