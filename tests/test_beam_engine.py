@@ -13,6 +13,7 @@ from conftest import ARCHS, make_model, random_prompts
 from nanoserve import LLM, AsyncLLM
 from nanoserve.beam_search_params import BeamSearchParams
 from nanoserve.chapters import beam_search_feature
+from nanoserve.engine.core import EngineCore
 from nanoserve.sampling_params import SamplingParams
 
 OPTIONS = dict(block_size=4, num_kvcache_blocks=512, max_model_len=64, max_num_seqs=300, enforce_eager=True,
@@ -183,6 +184,12 @@ def test_an_engine_built_without_beam_search_refuses_it(tiny_models):
     message = r"^beam search: this engine was built without it; pass LLM\(\.\.\., enable_beam_search=True\)$"
     llm = LLM(tiny_models["qwen3"], **options)
     assert getattr(llm.engine, "beam_search_config", None) is None
+    with pytest.raises(ValueError, match=message):
+        llm.beam_search(PROMPTS, params, use_tqdm=False)
+    assert not llm.engine.requests and llm.engine.scheduler.is_finished()
+    # the same from the chapters' composite engine (another chapter asked for), built without beam search
+    llm = LLM(tiny_models["qwen3"], trace=True, **options)
+    assert type(llm.engine) is not EngineCore and llm.engine.beam_search_config is None
     with pytest.raises(ValueError, match=message):
         llm.beam_search(PROMPTS, params, use_tqdm=False)
     assert not llm.engine.requests and llm.engine.scheduler.is_finished()
